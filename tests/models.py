@@ -1,0 +1,63 @@
+"""Tiny models that exercise the awkward cases: uneven sizes, scalars, frozen and tied parameters."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from examples.gpt import GPT, GPTConfig
+
+TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+class OddMLP(nn.Module):
+    """Uneven parameter sizes (none divides 4 or 8), a scalar, a frozen layer and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(13, 29)
+        self.frozen = nn.Linear(29, 29)
+        self.frozen.requires_grad_(False)
+        self.fc2 = nn.Linear(29, 7)
+        self.scale = nn.Parameter(torch.tensor(0.75))
+        self.register_buffer("shift", torch.linspace(-1, 1, 7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        h = h + torch.tanh(self.frozen(h))
+        return self.fc2(h) * self.scale + self.shift
+
+
+class BrokenMLP(nn.Module):
+    """Two Dynamo graphs (an explicit graph break), with `scale` used in both of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(13, 29)
+        self.fc2 = nn.Linear(29, 7)
+        self.scale = nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x)) * self.scale
+        torch._dynamo.graph_break()
+        return self.fc2(h) * self.scale
+
+
+def build(name: str) -> nn.Module:
+    return {"mlp": OddMLP, "broken_mlp": BrokenMLP, "gpt": lambda: GPT(TINY_GPT)}[name]()
+
+
+def batch(name: str, global_batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of one step: identical on every rank (each rank takes its slice)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if name == "gpt":
+        tokens = torch.randint(0, TINY_GPT.vocab_size, (global_batch, TINY_GPT.block_size + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    return torch.randn(global_batch, 13, generator=g), torch.randn(global_batch, 7, generator=g)
+
+
+def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if name == "gpt":
+        return model(x, y)
+    return F.mse_loss(model(x), y)

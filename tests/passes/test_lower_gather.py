@@ -1,0 +1,45 @@
+import torch
+
+import zpp_compile  # noqa: F401  (registers zpp:: ops)
+from zpp_compile.passes import lower_gather
+
+from .helpers import context, targets, trace
+
+c10d = torch.ops._c10d_functional
+
+
+def test_gather_marker_becomes_all_gather_wait_slice_view(group_of_one):
+    shard, x = torch.randn(6), torch.randn(4, 3)
+    padded = torch.cat([shard, torch.zeros(2)])  # a shard carrying padding: 8 elements for 6
+
+    def f_padded(shard, x):
+        w = torch.ops.zpp.gather_param(shard, 6, [2, 3], 1, group_of_one)
+        return x @ w.t()
+
+    gm = trace(f_padded, padded, x)
+    assert torch.ops.zpp.gather_param.default in targets(gm)
+    expected = gm(padded, x)
+
+    gm = lower_gather(gm, context(group_of_one))
+    after = targets(gm)
+    assert torch.ops.zpp.gather_param.default not in after
+    assert after.count(c10d.all_gather_into_tensor.default) == 1
+    assert after.count(c10d.wait_tensor.default) == 1
+    assert torch.ops.aten.slice.Tensor in after  # padding (8 -> 6 elements) is cut off
+    torch.testing.assert_close(gm(padded, x), expected)
+    torch.testing.assert_close(expected, x @ shard.view(2, 3).t())
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            assert "val" in node.meta, f"{node.name} lost its fake value"
+
+
+def test_unpadded_gather_needs_no_slice(group_of_one):
+    gm = trace(lambda s: torch.ops.zpp.gather_param(s, 6, [3, 2], 1, group_of_one) * 2, torch.randn(6))
+    gm = lower_gather(gm, context(group_of_one))
+    assert torch.ops.aten.slice.Tensor not in targets(gm)
+
+
+def test_graph_without_markers_is_returned_unchanged(group_of_one):
+    gm = trace(lambda x: x.sin(), torch.randn(3))
+    code = gm.code
+    assert lower_gather(gm, context(group_of_one)).code == code

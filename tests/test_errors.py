@@ -1,0 +1,110 @@
+"""Every bad input gets an error that names the problem and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import zpp_compile
+
+from .models import OddMLP
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"weight_block_size": 4}, ValueError, "weight_block_size=4 is out of range"),
+        ({"weight_block_size": 100}, ValueError, "multiple of 8"),
+        ({"hpz_size": 0}, ValueError, "hpz_size=0 is out of range"),
+        ({"ranks_per_node": -2}, ValueError, "ranks_per_node=-2 is out of range"),
+        ({"ranks_per_node": 2.0}, TypeError, "ranks_per_node must be an int"),
+        ({"quantize_weights": "yes"}, TypeError, "quantize_weights must be True or False"),
+        ({"lowering": "tvm"}, ValueError, "use 'inductor' or 'aot_eager'"),
+    ],
+)
+def test_config_values_out_of_range(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        zpp_compile.Config(**kwargs)
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception, match="cannot assign"):
+        zpp_compile.Config().hpz_size = 2
+
+
+def _run_without_process_group(code: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0, result.stdout
+    return result.stderr
+
+
+def test_shard_without_process_group():
+    stderr = _run_without_process_group(
+        """
+        import torch, zpp_compile
+        zpp_compile.shard(torch.nn.Linear(2, 2))
+        """
+    )
+    assert "DistributedNotInitializedError" in stderr and "init_process_group()" in stderr
+
+
+def test_compile_without_process_group():
+    stderr = _run_without_process_group(
+        """
+        import torch
+        torch.compile(torch.nn.Linear(2, 2), backend="zeropp")(torch.randn(1, 2))
+        """
+    )
+    assert "torch.compile(backend='zeropp') needs torch.distributed" in stderr
+
+
+def compile_unsharded() -> None:
+    torch.compile(OddMLP(), backend="zeropp")(torch.randn(2, 13))
+
+
+def shard_twice() -> None:
+    model = zpp_compile.shard(OddMLP())
+    zpp_compile.shard(model)
+
+
+def shard_submodule_then_root() -> None:
+    model = OddMLP()
+    zpp_compile.shard(model.fc1)
+    zpp_compile.shard(model)
+
+
+def misfit_ranks_per_node() -> None:
+    zpp_compile.shard(OddMLP(), zpp_compile.Config(ranks_per_node=3))
+
+
+def unimplemented_feature(field: str) -> None:
+    zpp_compile.shard(OddMLP(), zpp_compile.Config(**{field: 2 if field == "hpz_size" else True}))
+
+
+@pytest.mark.parametrize(
+    "world, task, args, message",
+    [
+        (1, compile_unsharded, (), "unsharded parameter .* call zpp_compile.shard"),
+        (1, shard_twice, (), "shard\\(\\) was already called on this model"),
+        (1, shard_submodule_then_root, (), "already a zpp_compile shard"),
+        (4, misfit_ranks_per_node, (), "world size 4 is not a multiple of ranks_per_node=3"),
+        (1, unimplemented_feature, ("quantize_weights",), "NotImplementedError: Config.quantize_weights turns on qwZ"),
+        (1, unimplemented_feature, ("hpz_size",), "NotImplementedError: Config.hpz_size turns on hpZ"),
+        (1, unimplemented_feature, ("quantize_gradients",), "NotImplementedError: Config.quantize_gradients turns on qgZ"),
+    ],
+)
+def test_bad_use_is_refused_with_a_clear_message(pools, world, task, args, message):
+    with pytest.raises(AssertionError, match=message):
+        pools(world).run(task, *args)
+
+
+def test_backend_resolves_by_name_without_importing_zpp_compile():
+    code = "import torch; from torch._dynamo.backends.registry import lookup_backend; print(lookup_backend('zeropp').__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "zpp_compile.backend", out.stderr

@@ -1,0 +1,121 @@
+"""End to end: sharded training (eager and compiled) equals single-process unsharded training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zpp_compile
+from zpp_compile.sharding import local_shard, shard_spec
+
+from .models import batch, build, loss_of
+
+LOCAL_BATCH = 2
+RTOL = 1e-5
+
+
+def _relative_errors(full: dict[str, torch.Tensor], reference: torch.nn.Module) -> dict[str, float]:
+    ref = reference.state_dict()
+    return {k: ((full[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-12)).item() for k in ref}
+
+
+def _reference_backward(name, model, step, world, micro_batches):
+    for micro in range(micro_batches):
+        x, y = batch(name, LOCAL_BATCH * world, step * micro_batches + micro)
+        loss_of(name, model, x, y).backward()
+
+
+def _gradient_errors(sharded: torch.nn.Module, reference: torch.nn.Module, step: int) -> dict[str, float]:
+    """This rank's gradient shards against the same slice of the reference gradients.
+
+    Checked apart from the parameters because Adam is blind to a constant gradient scale: a wrong
+    average would not show in the parameters at all. Errors are relative to the norm of the whole
+    reference gradient: a scalar's gradient is a sum with cancellation, so its own norm is no scale.
+    """
+    grads = [p.grad for p in reference.parameters() if p.grad is not None]
+    scale = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item()
+    errors = {}
+    for (name, p), ref in zip(sharded.named_parameters(), reference.parameters()):
+        if p.requires_grad:
+            expected = local_shard(ref.grad, shard_spec(p), dist.get_rank())
+            errors[f"step {step} grad {name}"] = (p.grad - expected).norm().item() / scale
+    return errors
+
+
+def train_vs_reference(name: str, mode: str, steps: int, micro_batches: int = 1) -> dict[str, float]:
+    """Train `steps` AdamW steps sharded (mode "eager" / "inductor" / "aot_eager") and unsharded."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = build(name)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+
+    lowering = "aot_eager" if mode == "aot_eager" else "inductor"
+    zpp_compile.shard(model, zpp_compile.Config(lowering=lowering))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    run = model if mode == "eager" else torch.compile(model, backend="zeropp")
+    errors = {}
+    for step in range(steps):
+        for micro in range(micro_batches):
+            x, y = batch(name, LOCAL_BATCH * world, step * micro_batches + micro)
+            loss_of(name, run, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        _reference_backward(name, reference, step, world, micro_batches)
+        errors.update(_gradient_errors(model, reference, step))
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    return errors | _relative_errors(zpp_compile.full_state_dict(model), reference)
+
+
+def _assert_close(errors_per_rank: list[dict[str, float]]) -> None:
+    for rank, errors in enumerate(errors_per_rank):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= RTOL, f"rank {rank}: {worst} differs by {errors[worst]:.2e} (relative)"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["eager", "inductor"])
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_five_adamw_steps_match_unsharded_training(pools, world, mode, name):
+    _assert_close(pools(world).run(train_vs_reference, name, mode, 5))
+
+
+@pytest.mark.parametrize("mode", ["eager", "inductor"])
+def test_gradient_accumulation_matches_reference(pools, mode):
+    _assert_close(pools(2).run(train_vs_reference, "mlp", mode, 3, 3))
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
+def test_graph_breaks_and_a_parameter_used_in_two_graphs(pools, mode):
+    _assert_close(pools(2).run(train_vs_reference, "broken_mlp", mode, 3))
+
+
+def eval_matches_reference(name: str) -> float:
+    """no_grad + eval() forward, compiled and eager, against the unsharded model; then train on."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = build(name)
+    reference = copy.deepcopy(model).eval()
+    zpp_compile.shard(model)
+    compiled = torch.compile(model, backend="zeropp")
+    x, y = batch(name, LOCAL_BATCH * world, 0)
+    local_x = x.chunk(world)[rank]
+    model.eval()
+    counter = zpp_compile.comm_counter()
+    counter.reset()
+    with torch.no_grad():
+        expected = reference(local_x)
+        outs = [compiled(local_x), model(local_x)]
+    assert counter.calls(op="reduce_scatter") == 0, "evaluation must not reduce gradients"
+    model.train()
+    loss_of(name, compiled, local_x, y.chunk(world)[rank]).backward()  # training still works after eval
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    return max(((o - expected).norm() / expected.norm()).item() for o in outs)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_no_grad_evaluation_matches_unsharded_model(pools, name):
+    assert max(pools(2).run(eval_matches_reference, name)) <= RTOL

@@ -1,0 +1,113 @@
+"""A pool of real gloo worker processes, started once and reused by many tests.
+
+Each worker initialises a gloo process group (with a collective timeout) and then runs the
+module-level functions that tests send it. A task that raises on any rank, or does not finish
+within its timeout, fails the test with the rank's traceback and restarts the pool, so a hang
+costs one timeout, not the CI's whole budget.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("ZPP_TEST_COLLECTIVE_TIMEOUT_S", "120"))
+TASK_TIMEOUT_S = float(os.environ.get("ZPP_TEST_TASK_TIMEOUT_S", "300"))
+
+
+class WorkerPool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._procs: list[mp.Process] = []
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = TASK_TIMEOUT_S) -> list[Any]:
+        """Run fn(*args) on every rank; return the results ordered by rank."""
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(results) < self.world_size:
+            try:
+                rank, status, value = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(results))
+                self.close()
+                raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish within {timeout_s:.0f} s") from None
+            if status == "error":
+                self.close()
+                raise AssertionError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+            results[rank] = value
+        return [results[r] for r in range(self.world_size)]
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        fd, store_path = tempfile.mkstemp(prefix="zpp_store_")
+        os.close(fd)
+        os.unlink(store_path)
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, f"file://{store_path}", self._tasks[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def close(self) -> None:
+        for q in getattr(self, "_tasks", []):
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, tasks: Any, results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    while (item := tasks.get()) is not None:
+        fn, args = item
+        try:
+            results.put((rank, "ok", fn(*args)))
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+        finally:
+            _reset_process_state()
+    dist.destroy_process_group()
+
+
+def _reset_process_state() -> None:
+    import torch
+
+    import zpp_compile
+    from zpp_compile.backend import clear_compiled_graphs
+    from zpp_compile.topology import forget_current_topology
+
+    torch._dynamo.reset()
+    zpp_compile.comm_counter().reset()
+    clear_compiled_graphs()
+    forget_current_topology()

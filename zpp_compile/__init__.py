@@ -1,0 +1,35 @@
+"""zpp_compile: ZeRO++ as a torch.compile backend.
+
+    zpp_compile.shard(model, zpp_compile.Config())
+    model = torch.compile(model, backend="zeropp")
+"""
+
+from . import ops as _ops  # noqa: F401  (registers the zpp:: custom ops)
+from .backend import BACKEND_NAME, NotShardedError, compiled_graphs, register as _register_backend, zeropp_backend
+from .comm import Collective, CommCounter, comm_counter
+from .config import Config
+from .explain import explain
+from .plan import CommPlan
+from .sharding import full_state_dict, is_sharded, shard
+from .topology import DistributedNotInitializedError, Topology
+
+_register_backend()
+
+__all__ = [
+    "BACKEND_NAME",
+    "Collective",
+    "CommCounter",
+    "CommPlan",
+    "Config",
+    "DistributedNotInitializedError",
+    "NotShardedError",
+    "Topology",
+    "comm_counter",
+    "compiled_graphs",
+    "explain",
+    "full_state_dict",
+    "is_sharded",
+    "shard",
+    "zeropp_backend",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,166 @@
+"""The "zeropp" torch.compile backend: Dynamo graph -> passes -> AOTAutograd -> passes -> Inductor.
+
+    Dynamo graph (zpp.gather_param markers on parameter shards)
+      -> PRE_AUTOGRAD_PASSES                       (dedupe gathers of one parameter)
+      -> AOTAutograd joint graph (gather_param's autograd adds zpp.reduce_grad markers)
+      -> JOINT_PASSES, min-cut partition           (gathered weights are recomputed, not saved)
+      -> FORWARD_PASSES / BACKWARD_PASSES           (markers -> functional collectives)
+      -> Inductor compile_fx_inner, or the FX graph itself with Config(lowering="aot_eager")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import itertools
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from . import comm, passes
+from .plan import collectives_in
+from .sharding import ShardedState, shard_spec, state_of_shard
+from .topology import require_initialized
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "zeropp"
+_graph_ids = itertools.count()
+
+
+class NotShardedError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """What the backend made of one Dynamo graph; kept for inspection and tests."""
+
+    graph_id: int
+    forward: Optional[fx.GraphModule] = None
+    backward: Optional[fx.GraphModule] = None
+    saved_for_backward: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    collectives: dict[str, list[comm.Collective]] = dataclasses.field(default_factory=dict)
+
+
+_RECORDS: dict[int, GraphRecord] = {}
+
+
+def compiled_graphs() -> list[GraphRecord]:
+    """Records of the graphs this process compiled with the zeropp backend, oldest first."""
+    return [_RECORDS[k] for k in sorted(_RECORDS)]
+
+
+def clear_compiled_graphs() -> None:
+    _RECORDS.clear()
+
+
+def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable:
+    """torch.compile backend entry: compile one Dynamo graph of a model sharded by zpp_compile.shard."""
+    require_initialized("torch.compile(backend='zeropp')")
+    state = _sharded_state_of(gm, example_inputs)
+    if state is None:
+        # A graph without parameters (e.g. after a graph break): nothing to shard in it.
+        log.debug("zeropp: graph has no parameter shards; compiling it unchanged")
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    ctx = passes.PassContext(config=state.config, topology=state.topology, graph_id=next(_graph_ids))
+    _RECORDS[ctx.graph_id] = GraphRecord(ctx.graph_id)
+    gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
+    use_inductor = state.config.lowering == "inductor"
+    compile_graph = functools.partial(_compile_partitioned, use_inductor=use_inductor)
+    return aot_autograd(
+        fw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("forward")),
+        bw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("backward")),
+        inference_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("inference")),
+        partition_fn=functools.partial(_partition, ctx=ctx),
+        decompositions=_inductor_decompositions() if use_inductor else {},
+    )(gm, example_inputs)
+
+
+def _sharded_state_of(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Optional[ShardedState]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    states = []
+    for node, value in zip(placeholders, example_inputs):
+        if not isinstance(value, nn.Parameter):
+            continue
+        if shard_spec(value) is None:
+            raise NotShardedError(
+                f"torch.compile(backend='zeropp') got an unsharded parameter ({node.name}, shape "
+                f"{tuple(value.shape)}): call zpp_compile.shard(model, zpp_compile.Config()) before "
+                "torch.compile, and add no parameters to the model after shard()."
+            )
+        states.append(state_of_shard(value))
+    if any(s is not states[0] for s in states):
+        raise NotShardedError("one compiled graph mixes parameters of differently sharded models; compile them apart.")
+    return states[0] if states else None
+
+
+def _partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: passes.PassContext, **kwargs: Any):
+    joint_ctx = ctx.for_phase("joint")
+    joint_passes = [] if ctx.config.save_gathered_weights else passes.JOINT_PASSES
+    joint_gm = passes.run_passes(joint_gm, joint_ctx, joint_passes)
+    fw_gm, bw_gm = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+    passes.check_no_gathered_weight_saved(fw_gm, bw_gm, joint_ctx)
+    saved = [p for p in bw_gm.graph.nodes if p.op == "placeholder" and not p.name.startswith("tangents")]
+    _RECORDS[ctx.graph_id].saved_for_backward = [p.meta["val"] for p in saved if "val" in p.meta]
+    return fw_gm, bw_gm
+
+
+def _compile_partitioned(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, ctx: passes.PassContext, use_inductor: bool
+) -> Callable:
+    is_backward = ctx.phase == "backward"
+    gm = passes.run_passes(gm, ctx, passes.BACKWARD_PASSES if is_backward else passes.FORWARD_PASSES)
+    collectives = collectives_in(gm, "backward" if is_backward else "forward", ctx.label)
+    record = _RECORDS[ctx.graph_id]
+    setattr(record, "backward" if is_backward else "forward", gm)
+    record.collectives[ctx.phase] = collectives
+    if use_inductor:
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        compiled = compile_fx_inner(
+            gm, example_inputs, is_backward=is_backward, is_inference=ctx.phase == "inference", graph_id=ctx.graph_id
+        )
+    else:
+        compiled = make_boxed_func(gm.forward)
+    return _counting(compiled, collectives, ctx)
+
+
+def _counting(compiled: Callable, collectives: list[comm.Collective], ctx: passes.PassContext) -> Callable:
+    """Wrap a boxed compiled graph so each run adds its collectives to the communication counter."""
+    counter, topology = comm.comm_counter(), ctx.topology
+
+    def run(args: list[Any]) -> Any:
+        out = compiled(args)
+        counter.record(collectives, topology)
+        return out
+
+    run._boxed_call = True
+    return run
+
+
+@functools.cache
+def _inductor_decompositions() -> dict:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def register() -> None:
+    """Make backend="zeropp" resolvable; torch loads it through the entry point when installed."""
+    from torch._dynamo.backends import registry
+
+    if BACKEND_NAME in registry._COMPILER_FNS:
+        return
+    if BACKEND_NAME in importlib.metadata.entry_points(group="torch_dynamo_backends").names:
+        return  # torch registers it on first lookup via the torch_dynamo_backends entry point
+    registry.register_backend(compiler_fn=zeropp_backend, name=BACKEND_NAME)

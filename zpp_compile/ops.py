@@ -1,0 +1,85 @@
+"""Custom ops that mark ZeRO-3 communication in the traced graph.
+
+`zpp::gather_param(shard) -> full weight` and its autograd partner `zpp::reduce_grad(full grad) ->
+averaged grad shard`. Eagerly they run plain collectives (the reference path); under tracing their
+fake impls give shapes, so Dynamo and AOTAutograd keep them as single, recognisable nodes that the
+passes in zpp_compile/passes lower to functional collectives (and, later, quantized plans).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from . import comm
+from .topology import current_topology
+
+# torch 2.13 renamed the flat-tensor collectives; keep torch >= 2.11 working.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def padded_numel(numel: int, group_size: int) -> int:
+    return -(-numel // group_size) * group_size
+
+
+@torch.library.custom_op("zpp::gather_param", mutates_args=())
+def gather_param(shard: Tensor, numel: int, shape: list[int], group_size: int, group_name: str) -> Tensor:
+    """All-gather the flat shards of one parameter and return the full, unpadded weight."""
+    out = shard.new_empty(shard.numel() * group_size)
+    _all_gather(out, shard.contiguous(), group=_resolve_process_group(group_name))
+    _record_eager("all_gather", "forward", group_name, shard)
+    return out[:numel].view(shape)
+
+
+@gather_param.register_fake
+def _(shard: Tensor, numel: int, shape: list[int], group_size: int, group_name: str) -> Tensor:
+    return shard.new_empty(shape)
+
+
+@torch.library.custom_op("zpp::reduce_grad", mutates_args=())
+def reduce_grad(grad: Tensor, numel: int, group_size: int, group_name: str) -> Tensor:
+    """Reduce-scatter a full gradient and average it over the group: this rank's flat grad shard."""
+    flat = pad_flat(grad.reshape(-1), padded_numel(numel, group_size))
+    out = flat.new_empty(flat.numel() // group_size)
+    _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+    _record_eager("reduce_scatter", "backward", group_name, flat)
+    return out.div_(group_size)
+
+
+@reduce_grad.register_fake
+def _(grad: Tensor, numel: int, group_size: int, group_name: str) -> Tensor:
+    return grad.new_empty(padded_numel(numel, group_size) // group_size)
+
+
+def pad_flat(flat: Tensor, target_numel: int) -> Tensor:
+    if flat.numel() == target_numel:
+        return flat.contiguous()
+    return torch.nn.functional.pad(flat, (0, target_numel - flat.numel()))
+
+
+def _setup_gather_context(ctx, inputs, output) -> None:
+    _, ctx.numel, _, ctx.group_size, ctx.group_name = inputs
+
+
+def _gather_backward(ctx, grad: Tensor):
+    grad_shard = torch.ops.zpp.reduce_grad(grad.contiguous(), ctx.numel, ctx.group_size, ctx.group_name)
+    return grad_shard, None, None, None, None
+
+
+gather_param.register_autograd(_gather_backward, setup_context=_setup_gather_context)
+
+
+def _record_eager(op: comm.CollectiveOp, phase: comm.Phase, group_name: str, payload: Tensor) -> None:
+    collective = comm.Collective(
+        op=op,
+        phase=phase,
+        group_name=group_name,
+        group_ranks=comm.group_ranks(group_name),
+        dtype=payload.dtype,
+        input_numel=payload.numel(),
+        label="eager",
+    )
+    comm.comm_counter().record([collective], current_topology())

@@ -1,0 +1,41 @@
+"""What every pass receives besides the graph: the config, the layout and where to dump graphs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch.fx as fx
+
+from ..config import Config
+from ..topology import Topology
+
+
+@dataclasses.dataclass
+class PassContext:
+    config: Config
+    topology: Topology
+    graph_id: int
+    phase: str = "dynamo"  # "dynamo" | "joint" | "forward" | "backward" | "inference"
+    _dump_step: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"graph{self.graph_id}_{self.phase}"
+
+    def dump(self, gm: fx.GraphModule, stage: str) -> Optional[str]:
+        """Write gm.print_readable() to <dump dir>/rank<r>/<graph>_<NN>_<stage>.txt when dumping is on."""
+        folder = self.config.graph_dump_dir
+        if folder is None:
+            return None
+        folder = os.path.join(folder, f"rank{self.topology.rank}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{self.label}_{self._dump_step:02d}_{stage}.txt")
+        self._dump_step += 1
+        with open(path, "w") as f:
+            f.write(gm.print_readable(print_output=False, include_stride=True, include_device=True))
+        return path
+
+    def for_phase(self, phase: str) -> "PassContext":
+        return dataclasses.replace(self, phase=phase, _dump_step=0)

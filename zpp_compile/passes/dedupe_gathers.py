@@ -1,0 +1,43 @@
+"""dedupe_gathers: one gather per parameter per graph.
+
+Before (Dynamo graph; a tied weight read by two modules, or a weight read twice):
+    w_a = zpp.gather_param(shard, 35, [7, 5], 4, '0')      ... used by linear_1
+    w_b = zpp.gather_param(shard, 35, [7, 5], 4, '0')      ... used by linear_2
+After:
+    w_a = zpp.gather_param(shard, 35, [7, 5], 4, '0')      ... used by linear_1 and linear_2
+
+Runs before AOTAutograd, so the backward also gets one gradient reduce-scatter for the tied
+weight (autograd sums the two uses first) instead of two.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from .context import PassContext
+from .graph_utils import calls, finish, replace_node
+
+log = logging.getLogger(__name__)
+
+
+def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    first_gather: dict[tuple, fx.Node] = {}
+    removed = 0
+    for node in calls(gm.graph, torch.ops.zpp.gather_param.default):
+        key = _gather_key(node)
+        if key in first_gather:
+            replace_node(node, first_gather[key])
+            removed += 1
+        else:
+            first_gather[key] = node
+    if not removed:
+        log.debug("dedupe_gathers: %s: no parameter is gathered twice; graph unchanged", ctx.label)
+        return gm
+    return finish(gm)
+
+
+def _gather_key(node: fx.Node) -> tuple:
+    return tuple(tuple(a) if isinstance(a, list) else a for a in node.args)

@@ -1,0 +1,65 @@
+"""Small FX helpers shared by the passes: predicates on nodes and meta-preserving insertion."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.utils._pytree import tree_map_only
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def is_call(node: fx.Node, *targets: Any) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def calls(graph: fx.Graph, *targets: Any) -> Iterator[fx.Node]:
+    """Nodes calling any of `targets`, in graph order (a snapshot: safe to rewrite while iterating)."""
+    return iter([n for n in graph.nodes if is_call(n, *targets)])
+
+
+def is_view_or_cast(node: fx.Node) -> bool:
+    """True for ops that only re-view or re-type one tensor (aliasing returns, dtype casts)."""
+    if node.op != "call_function":
+        return False
+    if node.target in (torch.ops.prims.convert_element_type.default, aten._to_copy.default, aten.clone.default):
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable:
+        return False
+    return len(schema.returns) == 1 and schema.returns[0].alias_info is not None
+
+
+def tensor_val(node: fx.Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def insert_call(graph: fx.Graph, target: Callable, *args: Any, **kwargs: Any) -> fx.Node:
+    """Insert `target(*args)` at the graph's insertion point with a valid meta["val"].
+
+    The value is computed by running `target` on the fake values of the argument nodes, so later
+    passes, the partitioner and Inductor see correct shapes, dtypes and strides.
+    """
+    node = graph.call_function(target, args, kwargs)
+    fake_args, fake_kwargs = tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+    fake_mode = detect_fake_mode(fake_args)
+    if fake_mode is None:
+        raise RuntimeError(f"insert_call({target}): argument nodes carry no fake values in meta['val'].")
+    with fake_mode:
+        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
+
+
+def replace_node(old: fx.Node, new: fx.Node) -> None:
+    old.replace_all_uses_with(new)
+    old.graph.erase_node(old)
+
+
+def finish(gm: fx.GraphModule) -> fx.GraphModule:
+    gm.graph.lint()
+    gm.recompile()
+    return gm

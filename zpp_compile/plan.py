@@ -1,0 +1,75 @@
+"""The communication plan of compiled graphs: which collectives they issue, on which group, how big."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+
+from .comm import Collective, Phase, group_ranks
+from .topology import Topology
+
+_c10d = torch.ops._c10d_functional
+_COLLECTIVE_OPS = {
+    _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    _c10d.all_to_all_single.default: "all_to_all",
+}
+
+
+def collectives_in(gm: fx.GraphModule, phase: Phase, label: str) -> list[Collective]:
+    """Every functional collective in `gm`, in graph order, with its payload as this rank sends it."""
+    found = []
+    for node in gm.graph.nodes:
+        op = _COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
+        if op is None:
+            continue
+        payload = node.args[0].meta["val"]
+        group_name = node.args[-1]
+        found.append(
+            Collective(
+                op=op,
+                phase=phase,
+                group_name=group_name,
+                group_ranks=group_ranks(group_name),
+                dtype=payload.dtype,
+                input_numel=payload.numel(),
+                label=label,
+            )
+        )
+    return found
+
+
+@dataclasses.dataclass
+class CommPlan:
+    """The collectives of one training step as this rank issues them, in order."""
+
+    collectives: list[Collective]
+    topology: Topology
+
+    def bytes(self, *, phase: Phase | None = None, op: str | None = None, locality: str | None = None) -> int:
+        total = 0
+        for c in self._select(phase, op):
+            split = c.bytes_by_locality(self.topology)
+            total += split[locality] if locality else sum(split.values())
+        return total
+
+    def count(self, *, phase: Phase | None = None, op: str | None = None) -> int:
+        return sum(1 for _ in self._select(phase, op))
+
+    def _select(self, phase: Phase | None, op: str | None) -> Iterable[Collective]:
+        return (c for c in self.collectives if phase in (None, c.phase) and op in (None, c.op))
+
+    def __str__(self) -> str:
+        header = f"{'graph':<22} {'collective':<15} {'group':>6} {'dtype':<9} {'input bytes':>12} {'intra sent':>11} {'inter sent':>11}"
+        rows = [header]
+        for c in self.collectives:
+            split = c.bytes_by_locality(self.topology)
+            rows.append(
+                f"{c.label:<22} {c.op:<15} {len(c.group_ranks):>6} {str(c.dtype).removeprefix('torch.'):<9} "
+                f"{c.input_bytes:>12} {split['intra']:>11} {split['inter']:>11}"
+            )
+        rows.append(f"total sent per rank: {self.bytes()} bytes ({self.bytes(locality='inter')} inter-node)")
+        return "\n".join(rows)

@@ -1,0 +1,198 @@
+"""ZeRO-3 partitioning: every parameter becomes a flat, padded 1/world shard owned by this rank.
+
+After `shard(model)`, each module keeps its shards in `_parameters` under the original names, so
+`model.parameters()` yields shards and any optimizer steps on them unchanged. Reading
+`module.weight` goes through a property that calls `zpp::gather_param`: eagerly that all-gathers
+the full weight (and its backward reduce-scatters the gradient); under torch.compile it is the
+marker the backend's passes rewrite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .config import Config
+from .ops import pad_flat, padded_numel
+from .topology import Topology, build_topology, require_initialized, set_current_topology
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """What a shard is a piece of: the full parameter's name, shape and the group it is split over."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    numel: int
+    group_size: int
+    group_name: str
+
+    @property
+    def shard_numel(self) -> int:
+        return padded_numel(self.numel, self.group_size) // self.group_size
+
+
+@dataclasses.dataclass
+class ShardedState:
+    """Attached to the root module by shard(): the config and layout every compiled graph reads."""
+
+    config: Config
+    topology: Topology
+    specs: dict[str, ShardSpec]
+
+
+def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_states: bool = True) -> nn.Module:
+    """Partition every parameter of `model` across the world (ZeRO-3), in place; returns `model`.
+
+    With `sync_module_states` (default) rank 0's parameters and buffers are broadcast first, so
+    ranks that initialised differently still train one model.
+    """
+    require_initialized("zpp_compile.shard")
+    config = Config() if config is None else config
+    if not isinstance(config, Config):
+        raise TypeError(f"shard() takes a zpp_compile.Config, got {type(config).__name__}.")
+    config.require_implemented()
+    _refuse_resharding(model)
+    topology = build_topology(config)
+    set_current_topology(topology)
+    if sync_module_states:
+        _broadcast_from_rank0(model)
+
+    state = ShardedState(config=config, topology=topology, specs={})
+    shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its shard, so tied weights stay tied
+    for module_name, module in model.named_modules():  # a module reused twice is sharded once
+        names = [n for n, p in module._parameters.items() if p is not None]
+        for name in names:
+            full = module._parameters[name]
+            if id(full) not in shards:
+                spec = _spec_for(_join(module_name, name), full, topology)
+                state.specs[spec.fqn] = spec
+                shards[id(full)] = _make_shard(full, spec, state)
+            module._parameters[name] = shards[id(full)]
+        if names:
+            _route_reads_through_gather(module, names)
+    model._zpp_state = state
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "_zpp_state", None), ShardedState)
+
+
+def sharded_state(model: nn.Module) -> ShardedState:
+    if not is_sharded(model):
+        raise ValueError("this model is not sharded: call zpp_compile.shard(model, zpp_compile.Config()) first.")
+    return model._zpp_state
+
+
+def shard_spec(param: Tensor) -> Optional[ShardSpec]:
+    """The ShardSpec of a shard created by shard(), or None for any other tensor."""
+    return getattr(param, "_zpp_spec", None)
+
+
+def state_of_shard(param: Tensor) -> Optional[ShardedState]:
+    """The ShardedState of the model a shard belongs to, or None for any other tensor."""
+    return getattr(param, "_zpp_state", None)
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The unsharded state dict (every name, tied ones too), gathered on every rank; for export.
+
+    Collective: every rank must call it.
+    """
+    sharded_state(model)
+    out: dict[str, Tensor] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None:
+                out[_join(module_name, name)] = gather_full(p).clone()
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[_join(module_name, name)] = b.detach().clone()
+    return out
+
+
+def gather_full(shard_param: Tensor) -> Tensor:
+    """The full parameter for a shard: the `zpp::gather_param` call every module read makes."""
+    spec = shard_spec(shard_param)
+    return torch.ops.zpp.gather_param(shard_param, spec.numel, list(spec.shape), spec.group_size, spec.group_name)
+
+
+def _spec_for(fqn: str, full: Tensor, topology: Topology) -> ShardSpec:
+    return ShardSpec(
+        fqn=fqn,
+        shape=tuple(full.shape),
+        numel=full.numel(),
+        group_size=topology.world_size,
+        group_name=topology.world_group_name,
+    )
+
+
+def local_shard(full: Tensor, spec: ShardSpec, rank: int) -> Tensor:
+    """This rank's flat, padded piece of a full tensor (a parameter or its gradient)."""
+    flat = pad_flat(full.detach().reshape(-1), spec.shard_numel * spec.group_size)
+    return flat[rank * spec.shard_numel : (rank + 1) * spec.shard_numel].clone()
+
+
+def _make_shard(full: nn.Parameter, spec: ShardSpec, state: ShardedState) -> nn.Parameter:
+    local = local_shard(full, spec, state.topology.rank)
+    shard_param = nn.Parameter(local, requires_grad=full.requires_grad)
+    shard_param._zpp_spec = spec
+    shard_param._zpp_state = state
+    return shard_param
+
+
+def _refuse_resharding(model: nn.Module) -> None:
+    if is_sharded(model):
+        raise RuntimeError("shard() was already called on this model; call it once, before torch.compile.")
+    for name, p in model.named_parameters():
+        if shard_spec(p) is not None:
+            raise RuntimeError(
+                f"parameter {name!r} is already a zpp_compile shard (a submodule was sharded before); "
+                "call shard() once, on the root module."
+            )
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    for tensor in _unique_tensors(model):
+        dist.broadcast(tensor.data, src=0)
+
+
+def _unique_tensors(model: nn.Module) -> Iterator[Tensor]:
+    seen: set[int] = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+
+# One subclass per (original class, sharded names): modules of one type share a class, which keeps
+# Dynamo's type guards few.
+_SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _route_reads_through_gather(module: nn.Module, names: list[str]) -> None:
+    base = getattr(module.__class__, "_zpp_original_class", module.__class__)
+    key = (base, tuple(sorted(names)))
+    if key not in _SHARDED_CLASSES:
+        attrs = {name: _gathering_property(name) for name in key[1]}
+        attrs["_zpp_original_class"] = base
+        _SHARDED_CLASSES[key] = type(f"ZeroSharded{base.__name__}", (base,), attrs)
+    module.__class__ = _SHARDED_CLASSES[key]
+
+
+def _gathering_property(name: str) -> property:
+    def read_full_parameter(self: nn.Module) -> Tensor:
+        return gather_full(self._parameters[name])
+
+    return property(read_full_parameter, doc=f"The full `{name}`, all-gathered from its shards.")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
