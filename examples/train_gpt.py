@@ -1,0 +1,182 @@
+"""Train a small byte-level GPT on the Python standard library's own source, sharded by zpp_compile.
+
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # compiled, ZeRO-3
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --eager    # eager reference
+
+Every machine with Python has the data: the .py files of the standard library, read as bytes.
+Writes the loss curve to runs/train_gpt_<mode>.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout as well
+
+import zpp_compile  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eager", action="store_true", help="run the sharded model without torch.compile")
+    p.add_argument("--lowering", choices=["inductor", "aot_eager"], default="inductor")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="simulate several nodes on one machine")
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--data-mb", type=float, default=8.0, help="megabytes of stdlib source to read")
+    p.add_argument("--out-dir", default="runs")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def load_stdlib_bytes(limit_mb: float) -> torch.Tensor:
+    """The standard library's .py files, sorted by path, concatenated as bytes (identical on every rank)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= limit_mb * 1e6:
+            break
+    return torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8).long()
+
+
+def sample_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, data.numel() - block - 1, (batch,), generator=gen)
+    window = torch.stack([data[s : s + block + 1] for s in starts.tolist()])
+    return window[:, :-1], window[:, 1:]
+
+
+def init_distributed() -> None:
+    if "RANK" not in os.environ:  # plain `python examples/train_gpt.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+
+
+def main() -> None:
+    args = parse_args()
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    data = load_stdlib_bytes(args.data_mb)
+    split = int(0.95 * data.numel())
+    train_data, val_data = data[:split], data[split:]
+
+    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    zpp_compile.shard(model, zpp_compile.Config(ranks_per_node=args.ranks_per_node, lowering=args.lowering))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    run = model if args.eager else torch.compile(model, backend="zeropp")
+    mode = "eager" if args.eager else f"compiled-{args.lowering}"
+
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"zpp_compile {mode}: GPT {n_params / 1e6:.2f}M params, world {world}, "
+        f"{train_data.numel() / 1e6:.1f}M training bytes of stdlib source")
+    bar = _progress(args.steps, enabled=rank == 0)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
+    rows, step_times = [], []
+    counter = zpp_compile.comm_counter()
+    for step in range(1, args.steps + 1):
+        counter.reset()
+        t0 = time.perf_counter()
+        x, y = sample_batch(train_data, args.batch_size, args.block_size, gen)
+        loss = run(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mean_loss = _world_mean(loss.detach())
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        rows.append((step, mean_loss, dt))
+        bar.update(1)
+        bar.set_postfix(loss=f"{mean_loss:.3f}")
+        if rank == 0 and (step % args.log_every == 0 or step == 1):
+            bar.write(f"step {step:5d}  loss {mean_loss:.4f}  {dt * 1e3:7.1f} ms/step  "
+                      f"sent {counter.bytes() / 1e6:.2f} MB/rank/step")
+    bar.close()
+
+    val_loss = evaluate(run, model, val_data, args)
+    steady = step_times[min(10, len(step_times) - 1):]
+    log(f"first step (compile included) {step_times[0]:.1f} s; median step {statistics.median(steady) * 1e3:.1f} ms; "
+        f"final train loss {rows[-1][1]:.4f}; val loss {val_loss:.4f}")
+    if rank == 0:
+        write_csv(Path(args.out_dir) / f"train_gpt_{mode}.csv", rows)
+    dist.destroy_process_group()
+
+
+@torch.no_grad()
+def evaluate(run, model, val_data: torch.Tensor, args: argparse.Namespace, batches: int = 4) -> float:
+    model.eval()
+    gen = torch.Generator().manual_seed(12345 + dist.get_rank())
+    losses = [run(*sample_batch(val_data, args.batch_size, args.block_size, gen)) for _ in range(batches)]
+    model.train()
+    return _world_mean(torch.stack(losses).mean())
+
+
+def _world_mean(value: torch.Tensor) -> float:
+    value = value.clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def write_csv(path: Path, rows: list[tuple[int, float, float]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "loss", "step_seconds"])
+        writer.writerows((s, f"{loss:.6f}", f"{dt:.4f}") for s, loss, dt in rows)
+    print(f"wrote {path}")
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is an optional extra; fall back to plain lines
+        tqdm = None
+    if tqdm is not None:
+        return tqdm(total=total, disable=not enabled, dynamic_ncols=True)
+    return _PlainProgress(enabled)
+
+
+class _PlainProgress:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix(self, **kwargs) -> None:
+        pass
+
+    def write(self, line: str) -> None:
+        if self.enabled:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    main()
