@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -96,7 +97,7 @@ def main() -> None:
         f"{train_data.numel() / 1e6:.1f}M training bytes of stdlib source")
     bar = _progress(args.steps, enabled=rank == 0)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
-    rows, step_times = [], []
+    rows, step_times, sent_bytes = [], [], 0
     counter = zpp_compile.comm_counter()
     for step in range(1, args.steps + 1):
         counter.reset()
@@ -109,6 +110,7 @@ def main() -> None:
         mean_loss = _world_mean(loss.detach())
         dt = time.perf_counter() - t0
         step_times.append(dt)
+        sent_bytes = counter.bytes()
         rows.append((step, mean_loss, dt))
         bar.update(1)
         bar.set_postfix(loss=f"{mean_loss:.3f}")
@@ -118,11 +120,22 @@ def main() -> None:
     bar.close()
 
     val_loss = evaluate(run, model, val_data, args)
-    steady = step_times[min(10, len(step_times) - 1):]
-    log(f"first step (compile included) {step_times[0]:.1f} s; median step {statistics.median(steady) * 1e3:.1f} ms; "
-        f"final train loss {rows[-1][1]:.4f}; val loss {val_loss:.4f}")
+    summary = {
+        "mode": mode,
+        "world_size": world,
+        "params": n_params,
+        "steps": args.steps,
+        "first_step_s": step_times[0],
+        "median_step_ms": statistics.median(step_times[min(10, len(step_times) - 1):]) * 1e3,
+        "sent_mb_per_rank_step": sent_bytes / 1e6,
+        "final_train_loss": rows[-1][1],
+        "val_loss": val_loss,
+    }
+    log(f"first step (compile included) {summary['first_step_s']:.1f} s; median step "
+        f"{summary['median_step_ms']:.1f} ms; final train loss {rows[-1][1]:.4f}; val loss {val_loss:.4f}")
     if rank == 0:
         write_csv(Path(args.out_dir) / f"train_gpt_{mode}.csv", rows)
+        (Path(args.out_dir) / f"train_gpt_{mode}.json").write_text(json.dumps(summary, indent=1))
     dist.destroy_process_group()
 
 

@@ -34,7 +34,7 @@ def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         else:
             first_gather[key] = node
     if not removed:
-        log.debug("dedupe_gathers: %s: no parameter is gathered twice; graph unchanged", ctx.label)
+        log.debug("dedupe_gathers: %s gathers no parameter twice; graph unchanged", ctx.label)
         return gm
     return finish(gm)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -63,3 +64,21 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def rewrite_calls(
+    gm: fx.GraphModule, target: Any, rewrite: Callable[[fx.Graph, fx.Node], fx.Node], pass_name: str, label: str
+) -> fx.GraphModule:
+    """Replace every call of `target` by the subgraph `rewrite(graph, node)` builds in its place.
+
+    Returns `gm` untouched (and says so at debug level) when there is no such call.
+    """
+    nodes = list(calls(gm.graph, target))
+    if not nodes:
+        logging.getLogger(__name__).debug("%s: %s has no %s; graph unchanged", pass_name, label, target)
+        return gm
+    for node in nodes:
+        with gm.graph.inserting_before(node):
+            replacement = rewrite(gm.graph, node)
+        replace_node(node, replacement)
+    return finish(gm)

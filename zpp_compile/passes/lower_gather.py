@@ -11,38 +11,28 @@ Functional collectives are what Inductor knows how to schedule, bucket and overl
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.fx as fx
 
 from .context import PassContext
-from .graph_utils import aten, c10d, calls, finish, insert_call, replace_node
-
-log = logging.getLogger(__name__)
+from .graph_utils import aten, c10d, insert_call, rewrite_calls
 
 
 def lower_gather(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    gathers = list(calls(gm.graph, torch.ops.zpp.gather_param.default))
-    if not gathers:
-        log.debug("lower_gather: %s has no gather_param marker; graph unchanged", ctx.label)
-        return gm
-    for node in gathers:
-        shard, numel, shape, group_size, group_name = node.args
-        with gm.graph.inserting_before(node):
-            full = all_gather_flat(gm.graph, shard, group_size, group_name)
-            if tensor_numel(full) != numel:
-                full = insert_call(gm.graph, aten.slice.Tensor, full, 0, 0, numel)
-            weight = insert_call(gm.graph, aten.view.default, full, list(shape))
-        weight.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        replace_node(node, weight)
-    return finish(gm)
+    return rewrite_calls(gm, torch.ops.zpp.gather_param.default, _all_gather_weight, "lower_gather", ctx.label)
+
+
+def _all_gather_weight(graph: fx.Graph, marker: fx.Node) -> fx.Node:
+    shard, numel, shape, group_size, group_name = marker.args
+    full = all_gather_flat(graph, shard, group_size, group_name)
+    if full.meta["val"].numel() != numel:
+        full = insert_call(graph, aten.slice.Tensor, full, 0, 0, numel)
+    weight = insert_call(graph, aten.view.default, full, list(shape))
+    # Keep the marker's tags (e.g. MUST_RECOMPUTE, stack trace) on the node that replaces it.
+    weight.meta.update({k: v for k, v in marker.meta.items() if k != "val"})
+    return weight
 
 
 def all_gather_flat(graph: fx.Graph, shard: fx.Node, group_size: int, group_name: str) -> fx.Node:
     gathered = insert_call(graph, c10d.all_gather_into_tensor.default, shard, group_size, group_name)
     return insert_call(graph, c10d.wait_tensor.default, gathered)
-
-
-def tensor_numel(node: fx.Node) -> int:
-    return node.meta["val"].numel()

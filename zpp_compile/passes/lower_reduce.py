@@ -12,32 +12,24 @@ Sum-then-divide rather than reduce_op "avg": gloo has no avg, and Inductor fuses
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.fx as fx
 
 from ..ops import padded_numel
 from .context import PassContext
-from .graph_utils import aten, c10d, calls, finish, insert_call, replace_node
-
-log = logging.getLogger(__name__)
+from .graph_utils import aten, c10d, insert_call, rewrite_calls
 
 
 def lower_reduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    reduces = list(calls(gm.graph, torch.ops.zpp.reduce_grad.default))
-    if not reduces:
-        log.debug("lower_reduce: %s has no reduce_grad marker; graph unchanged", ctx.label)
-        return gm
-    for node in reduces:
-        grad, numel, group_size, group_name = node.args
-        with gm.graph.inserting_before(node):
-            flat = flatten_padded(gm.graph, grad, padded_numel(numel, group_size))
-            reduced = insert_call(gm.graph, c10d.reduce_scatter_tensor.default, flat, "sum", group_size, group_name)
-            reduced = insert_call(gm.graph, c10d.wait_tensor.default, reduced)
-            averaged = insert_call(gm.graph, aten.div.Tensor, reduced, group_size)
-        replace_node(node, averaged)
-    return finish(gm)
+    return rewrite_calls(gm, torch.ops.zpp.reduce_grad.default, _reduce_scatter_mean, "lower_reduce", ctx.label)
+
+
+def _reduce_scatter_mean(graph: fx.Graph, marker: fx.Node) -> fx.Node:
+    grad, numel, group_size, group_name = marker.args
+    flat = flatten_padded(graph, grad, padded_numel(numel, group_size))
+    reduced = insert_call(graph, c10d.reduce_scatter_tensor.default, flat, "sum", group_size, group_name)
+    reduced = insert_call(graph, c10d.wait_tensor.default, reduced)
+    return insert_call(graph, aten.div.Tensor, reduced, group_size)
 
 
 def flatten_padded(graph: fx.Graph, tensor: fx.Node, target_numel: int) -> fx.Node:
