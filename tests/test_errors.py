@@ -94,7 +94,6 @@ def unimplemented_feature(field: str) -> None:
         (1, shard_twice, (), "shard\\(\\) was already called on this model"),
         (1, shard_submodule_then_root, (), "already a zpp_compile shard"),
         (4, misfit_ranks_per_node, (), "world size 4 is not a multiple of ranks_per_node=3"),
-        (1, unimplemented_feature, ("quantize_weights",), "NotImplementedError: Config.quantize_weights turns on qwZ"),
         (1, unimplemented_feature, ("hpz_size",), "NotImplementedError: Config.hpz_size turns on hpZ"),
         (1, unimplemented_feature, ("quantize_gradients",), "NotImplementedError: Config.quantize_gradients turns on qgZ"),
     ],

@@ -72,17 +72,20 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs)
-    ctx = passes.PassContext(config=state.config, topology=state.topology, graph_id=next(_graph_ids))
+    use_inductor = state.config.lowering == "inductor"
+    decompositions = _inductor_decompositions() if use_inductor else {}
+    ctx = passes.PassContext(
+        config=state.config, topology=state.topology, graph_id=next(_graph_ids), decompositions=decompositions
+    )
     _RECORDS[ctx.graph_id] = GraphRecord(ctx.graph_id)
     gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
-    use_inductor = state.config.lowering == "inductor"
     compile_graph = functools.partial(_compile_partitioned, use_inductor=use_inductor)
     return aot_autograd(
         fw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("forward")),
         bw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("backward")),
         inference_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("inference")),
         partition_fn=functools.partial(_partition, ctx=ctx),
-        decompositions=_inductor_decompositions() if use_inductor else {},
+        decompositions=decompositions,
     )(gm, example_inputs)
 
 

@@ -11,7 +11,6 @@ Lowering = Literal["inductor", "aot_eager"]
 # Features named in the design brief whose graph passes have not landed yet. Turning one on must
 # fail loudly rather than be ignored (DeepCompile silently ignores the ZeRO++ flags).
 _NOT_YET_IMPLEMENTED = {
-    "quantize_weights": "qwZ (int8 block-quantized weight all-gather)",
     "hpz_size": "hpZ (hierarchical secondary weight partition)",
     "quantize_gradients": "qgZ (int4 hierarchical all-to-all gradient reduce-scatter)",
 }
@@ -22,7 +21,8 @@ class Config:
     """How `zpp_compile.shard` partitions a model and how the "zeropp" backend compiles it.
 
     Attributes:
-        quantize_weights: qwZ, int8 block-quantized forward all-gather.
+        quantize_weights: qwZ, int8 block-quantized forward all-gather (compiled path only; the
+            eager reference path gathers full precision).
         weight_block_size: elements per quantization block for qwZ (one scale per block).
         hpz_size: hpZ secondary-partition size inside a node; None or 1 turns hpZ off.
         quantize_gradients: qgZ, int4 hierarchical all-to-all gradient reduce-scatter.
@@ -80,7 +80,6 @@ class Config:
     def require_implemented(self) -> None:
         """Raise NotImplementedError for every switched-on feature that has not landed yet."""
         enabled = {
-            "quantize_weights": self.quantize_weights,
             "hpz_size": self.hpz_enabled,
             "quantize_gradients": self.quantize_gradients,
         }

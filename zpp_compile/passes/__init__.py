@@ -13,6 +13,7 @@ from .context import PassContext
 from .dedupe_gathers import dedupe_gathers
 from .lower_gather import lower_gather
 from .lower_reduce import lower_reduce
+from .qwz import qwz
 from .recompute import check_no_gathered_weight_saved, tag_gathers_for_recompute
 
 GraphPass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
@@ -22,7 +23,8 @@ PRE_AUTOGRAD_PASSES: list[GraphPass] = [dedupe_gathers]
 # On the joint graph, before partitioning (changes what the forward saves).
 JOINT_PASSES: list[GraphPass] = [tag_gathers_for_recompute]
 # On the partitioned graphs, before lowering to Inductor.
-FORWARD_PASSES: list[GraphPass] = [lower_gather]
+# qwz first: it rewrites the forward gathers it quantizes; lower_gather takes whatever is left.
+FORWARD_PASSES: list[GraphPass] = [qwz, lower_gather]
 BACKWARD_PASSES: list[GraphPass] = [lower_gather, lower_reduce]
 
 
@@ -46,6 +48,7 @@ __all__ = [
     "dedupe_gathers",
     "lower_gather",
     "lower_reduce",
+    "qwz",
     "run_passes",
     "tag_gathers_for_recompute",
 ]

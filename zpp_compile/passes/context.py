@@ -18,6 +18,8 @@ class PassContext:
     topology: Topology
     graph_id: int
     phase: str = "dynamo"  # "dynamo" | "joint" | "forward" | "backward" | "inference"
+    # The decomposition table of the lowering, for passes that trace torch code into the graph.
+    decompositions: dict = dataclasses.field(default_factory=dict)
     _dump_step: int = 0
 
     @property

@@ -82,3 +82,18 @@ def rewrite_calls(
             replacement = rewrite(gm.graph, node)
         replace_node(node, replacement)
     return finish(gm)
+
+
+def inline_traced(graph: fx.Graph, fn: Callable, node_args: list[fx.Node], decompositions: dict | None = None) -> Any:
+    """Trace `fn(*node_args' fake values)` to ATen and copy its nodes in at the insertion point.
+
+    Lets a pass write a rewrite as plain torch code (see codegen/quantize.py) instead of node by
+    node; the copied nodes carry valid meta["val"]. Returns the node(s) of fn's output.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_args = [n.meta["val"] for n in node_args]
+    with detect_fake_mode(fake_args):
+        traced = make_fx(fn, decomposition_table=decompositions or {})(*fake_args)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    return graph.graph_copy(traced.graph, dict(zip(placeholders, node_args)))
