@@ -116,7 +116,7 @@ def main() -> None:
         bar.set_postfix(loss=f"{mean_loss:.3f}")
         if rank == 0 and (step % args.log_every == 0 or step == 1):
             bar.write(f"step {step:5d}  loss {mean_loss:.4f}  {dt * 1e3:7.1f} ms/step  "
-                      f"sent {counter.bytes() / 1e6:.2f} MB/rank/step")
+                      f"sent {sent_bytes / 1e6:.2f} MB/rank/step")
     bar.close()
 
     val_loss = evaluate(run, model, val_data, args)

@@ -14,6 +14,7 @@ from zpp_compile.codegen.quantize import dequantize_int8_blocks, payload_numel, 
 from zpp_compile.sharding import local_shard, shard_spec
 
 from .models import batch, build, loss_of
+from .workers import reset_process_state
 
 BLOCK = 64
 
@@ -101,10 +102,7 @@ def loss_curves(steps: int) -> dict[str, list[float]]:
             opt.zero_grad()
             losses.append(loss.item())
         curves[label] = losses
-        torch._dynamo.reset()
-        from zpp_compile.topology import forget_current_topology
-
-        forget_current_topology()
+        reset_process_state()
     return curves
 
 

@@ -96,11 +96,12 @@ def _worker_main(rank: int, world_size: int, init_method: str, tasks: Any, resul
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
         finally:
-            _reset_process_state()
+            reset_process_state()
     dist.destroy_process_group()
 
 
-def _reset_process_state() -> None:
+def reset_process_state() -> None:
+    """Forget compiled graphs, counters and the sharding layout: the next task starts clean."""
     import torch
 
     import zpp_compile

@@ -51,10 +51,16 @@ class Collective:
 
     def bytes_by_locality(self, topology: Topology) -> dict[Locality, int]:
         """Bytes sent by this rank (equal to bytes received), split by where the peer sits."""
-        me = topology.rank
-        peers = [r for r in self.group_ranks if r != me]
-        intra = sum(1 for r in peers if topology.same_node(r, me))
-        return {"intra": intra * self.bytes_per_peer, "inter": (len(peers) - intra) * self.bytes_per_peer}
+        return dict(_locality_split(self, topology))
+
+
+@functools.lru_cache(maxsize=4096)
+def _locality_split(c: Collective, topology: Topology) -> tuple[tuple[Locality, int], ...]:
+    # Cached: a compiled graph records the same collectives on every run of the training loop.
+    me = topology.rank
+    peers = [r for r in c.group_ranks if r != me]
+    intra = sum(1 for r in peers if topology.same_node(r, me))
+    return (("intra", intra * c.bytes_per_peer), ("inter", (len(peers) - intra) * c.bytes_per_peer))
 
 
 @functools.lru_cache(maxsize=None)

@@ -107,10 +107,13 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """
     sharded_state(model)
     out: dict[str, Tensor] = {}
+    gathered: dict[int, Tensor] = {}  # tied names share one gather (and one tensor, as unsharded)
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, p in module._parameters.items():
             if p is not None:
-                out[_join(module_name, name)] = gather_full(p).clone()
+                if id(p) not in gathered:
+                    gathered[id(p)] = gather_full(p).clone()
+                out[_join(module_name, name)] = gathered[id(p)]
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
                 out[_join(module_name, name)] = b.detach().clone()

@@ -1,5 +1,6 @@
-"""Kernels for the quantized collectives (qwZ / qgZ): Triton on GPU, Inductor-generated on CPU.
+"""Kernels for the quantized collectives (qwZ / qgZ).
 
-Empty until the qwZ issue lands; plain ZeRO-3 needs no kernels of its own (Inductor lowers the
-functional collectives and the copies around them).
+quantize.py: qwZ's int8 per-block quantize / dequantize as plain torch code, traced into the graph
+by passes/qwz.py so that Inductor generates the CPU (C++/OpenMP) kernels. The Triton GPU kernels
+and the per-device registry are not written yet.
 """

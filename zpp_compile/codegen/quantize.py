@@ -1,4 +1,4 @@
-"""Symmetric per-block int8 quantization and the packed all-gather payload of qwZ (plain torch ops).
+"""Symmetric per-block int8 quantization for qwZ's forward all-gather (plain torch ops).
 
 Written as ordinary ATen-level torch code so that the qwZ pass can trace it into the graph, where
 Inductor turns it into fused C++/OpenMP kernels on CPU (the same code runs eagerly for tests).
@@ -33,7 +33,7 @@ def num_blocks(numel: int, block: int) -> int:
 
 
 def payload_numel(numel: int, block: int) -> int:
-    """int8 elements one rank sends for a shard of `numel` elements."""
+    """Bytes one rank sends for a shard of `numel` elements: int8 blocks plus a float32 per block."""
     nb = num_blocks(numel, block)
     return nb * block + nb * SCALE_BYTES
 
@@ -73,7 +73,7 @@ def dequantize_gathered(
 def quantized_all_gather(
     shard: Tensor, numel: int, shape: list[int], group_size: int, group_name: str, block: int
 ) -> Tensor:
-    """qwZ's forward gather: quantize, one all-gather of data + scales, dequantize to the shard's dtype."""
+    """qwZ's forward gather: quantize, all-gather data and scales, dequantize to the shard's dtype."""
     c10d = torch.ops._c10d_functional
     q, scale = quantize_int8_blocks(shard, block)
     q_all = c10d.all_gather_into_tensor(q.reshape(-1), group_size, group_name)

@@ -1,0 +1,39 @@
+import torch
+
+import zpp_compile  # noqa: F401
+from zpp_compile.codegen.quantize import dequantize_int8_blocks, quantize_int8_blocks
+from zpp_compile.passes import qwz
+
+from .helpers import context, targets, trace
+
+c10d = torch.ops._c10d_functional
+
+
+def _gather_graph(group_name):
+    shard, x = torch.randn(200), torch.randn(3, 20)  # 200 = 4 blocks of 64 minus padding
+
+    def f(shard, x):
+        return x @ torch.ops.zpp.gather_param(shard, 200, [10, 20], 1, group_name).t()
+
+    return trace(f, shard, x), shard, x
+
+
+def test_forward_gather_becomes_int8_gather_of_blocks_and_scales(group_of_one):
+    gm, shard, x = _gather_graph(group_of_one)
+    gm = qwz(gm, context(group_of_one, quantize_weights=True, weight_block_size=64))
+    assert torch.ops.zpp.gather_param.default not in targets(gm)
+    gathers = [n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default]
+    assert [g.args[0].meta["val"].dtype for g in gathers] == [torch.int8, torch.float32]
+    assert [g.args[0].meta["val"].numel() for g in gathers] == [4 * 64, 4]
+    q, scale = quantize_int8_blocks(shard, 64)
+    expected_weight = dequantize_int8_blocks(q, scale, torch.float32)[:200].view(10, 20)
+    torch.testing.assert_close(gm(shard, x), x @ expected_weight.t())
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            assert "val" in node.meta, f"{node.name} lost its fake value"
+
+
+def test_graph_is_unchanged_when_quantize_weights_is_off(group_of_one):
+    gm, _, _ = _gather_graph(group_of_one)
+    code = gm.code
+    assert qwz(gm, context(group_of_one)).code == code
