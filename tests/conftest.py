@@ -2,6 +2,12 @@ import os
 import tempfile
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter, on CPU tensors. Triton reads this
+# when a kernel is defined, so it must be set before zpp_compile.codegen.triton_quantize loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # One Inductor cache for the whole run (workers inherit it), so identical graphs compile once.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zpp_compile_inductor_cache"))

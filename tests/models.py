@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from examples.gpt import GPT, GPTConfig
+from zpp_compile.codegen.quantize import dequantize_int8_blocks, quantize_int8_blocks
+from zpp_compile.sharding import ShardSpec, local_shard
 
 TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -44,8 +47,20 @@ class BrokenMLP(nn.Module):
         return self.fc2(h) * self.scale
 
 
+class CheckpointedMLP(nn.Module):
+    """OddMLP under activation checkpointing: the backward recomputes the forward, gathers included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = OddMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
 def build(name: str) -> nn.Module:
-    return {"mlp": OddMLP, "broken_mlp": BrokenMLP, "gpt": lambda: GPT(TINY_GPT)}[name]()
+    models = {"mlp": OddMLP, "broken_mlp": BrokenMLP, "ckpt_mlp": CheckpointedMLP, "gpt": lambda: GPT(TINY_GPT)}
+    return models[name]()
 
 
 def batch(name: str, global_batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,10 +69,19 @@ def batch(name: str, global_batch: int, step: int) -> tuple[torch.Tensor, torch.
     if name == "gpt":
         tokens = torch.randint(0, TINY_GPT.vocab_size, (global_batch, TINY_GPT.block_size + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
-    return torch.randn(global_batch, 13, generator=g), torch.randn(global_batch, 7, generator=g)
+    return torch.randn(global_batch, 13, generator=g), torch.randn(global_batch, 7, generator=g)  # the MLPs
 
 
 def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if name == "gpt":
         return model(x, y)
     return F.mse_loss(model(x), y)
+
+
+def quantize_dequantize_per_shard(full: torch.Tensor, spec: ShardSpec, block: int) -> torch.Tensor:
+    """What every rank sees after an int8 gather: each rank's shard quantized on its own."""
+    pieces = []
+    for r in range(spec.group_size):
+        q, scale = quantize_int8_blocks(local_shard(full, spec, r), block)
+        pieces.append(dequantize_int8_blocks(q, scale, full.dtype)[: spec.shard_numel])
+    return torch.cat(pieces)[: spec.numel].view(full.shape)

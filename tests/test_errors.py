@@ -23,6 +23,7 @@ from .models import OddMLP
         ({"ranks_per_node": -2}, ValueError, "ranks_per_node=-2 is out of range"),
         ({"ranks_per_node": 2.0}, TypeError, "ranks_per_node must be an int"),
         ({"quantize_weights": "yes"}, TypeError, "quantize_weights must be True or False"),
+        ({"quantize_frozen_weights": 1}, TypeError, "quantize_frozen_weights must be True or False"),
         ({"lowering": "tvm"}, ValueError, "use 'inductor' or 'aot_eager'"),
     ],
 )
@@ -84,7 +85,11 @@ def misfit_ranks_per_node() -> None:
 
 
 def unimplemented_feature(field: str) -> None:
-    zpp_compile.shard(OddMLP(), zpp_compile.Config(**{field: 2 if field == "hpz_size" else True}))
+    zpp_compile.shard(OddMLP(), zpp_compile.Config(**{field: True}))
+
+
+def hpz_size_not_dividing_the_node() -> None:
+    zpp_compile.shard(OddMLP(), zpp_compile.Config(ranks_per_node=2, hpz_size=4))
 
 
 @pytest.mark.parametrize(
@@ -94,7 +99,7 @@ def unimplemented_feature(field: str) -> None:
         (1, shard_twice, (), "shard\\(\\) was already called on this model"),
         (1, shard_submodule_then_root, (), "already a zpp_compile shard"),
         (4, misfit_ranks_per_node, (), "world size 4 is not a multiple of ranks_per_node=3"),
-        (1, unimplemented_feature, ("hpz_size",), "NotImplementedError: Config.hpz_size turns on hpZ"),
+        (4, hpz_size_not_dividing_the_node, (), "hpz_size=4 must divide the ranks of a node \\(ranks_per_node=2\\)"),
         (1, unimplemented_feature, ("quantize_gradients",), "NotImplementedError: Config.quantize_gradients turns on qgZ"),
     ],
 )

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zpp_compile
+from zpp_compile import passes
 from zpp_compile.backend import compiled_graphs
 
 from .models import OddMLP, batch
@@ -129,15 +130,17 @@ def dump_graphs(folder: str) -> list[str]:
 def test_graphs_are_dumped_before_and_after_every_pass(pools, tmp_path):
     names = pools(2).run(dump_graphs, str(tmp_path))[0]
     graph = names[0].split("_")[0]  # graph ids count up per process: "graph<N>"
-    for stage in (
-        "dynamo_00_input",
-        "dynamo_01_dedupe_gathers",
-        "joint_01_tag_gathers_for_recompute",
-        "forward_01_qwz",
-        "forward_02_lower_gather",
-        "backward_02_lower_reduce",
-    ):
-        assert f"{graph}_{stage}.txt" in names, names
-    text = (tmp_path / "rank1" / f"{graph}_backward_02_lower_reduce.txt").read_text()
-    assert "reduce_scatter_tensor" in text and "zpp.reduce_grad" not in text
+    pipelines = {
+        "dynamo": passes.PRE_AUTOGRAD_PASSES,
+        "joint": passes.JOINT_PASSES,
+        "forward": passes.FORWARD_PASSES,
+        "backward": passes.BACKWARD_PASSES,
+    }
+    for phase, pipeline in pipelines.items():
+        stages = ["input"] + [p.__name__ for p in pipeline]
+        for i, stage in enumerate(stages):
+            assert f"{graph}_{phase}_{i:02d}_{stage}.txt" in names, names
+    last_backward = f"{len(passes.BACKWARD_PASSES):02d}_{passes.BACKWARD_PASSES[-1].__name__}"
+    text = (tmp_path / "rank1" / f"{graph}_backward_{last_backward}.txt").read_text()
+    assert "reduce_scatter_tensor" in text and "= torch.ops.zpp." not in text  # no marker call left
     assert "zpp.gather_param" in (tmp_path / "rank1" / f"{graph}_forward_00_input.txt").read_text()

@@ -10,22 +10,13 @@ import torch.distributed as dist
 from torch import nn
 
 import zpp_compile
-from zpp_compile.codegen.quantize import dequantize_int8_blocks, payload_numel, quantize_int8_blocks
-from zpp_compile.sharding import local_shard, shard_spec
+from zpp_compile.codegen.quantize import payload_numel
+from zpp_compile.sharding import shard_spec
 
-from .models import batch, build, loss_of
+from .models import batch, build, loss_of, quantize_dequantize_per_shard
 from .workers import reset_process_state
 
 BLOCK = 64
-
-
-def _quantize_dequantize_per_shard(full: torch.Tensor, spec, block: int) -> torch.Tensor:
-    """What every rank must see after the qwZ gather: each rank's shard quantized on its own."""
-    pieces = []
-    for r in range(spec.group_size):
-        q, scale = quantize_int8_blocks(local_shard(full, spec, r), block)
-        pieces.append(dequantize_int8_blocks(q, scale, full.dtype)[: spec.shard_numel])
-    return torch.cat(pieces)[: spec.numel].view(full.shape)
 
 
 def forward_matches_dequantized_reference(name: str, dtype: torch.dtype) -> float:
@@ -36,7 +27,7 @@ def forward_matches_dequantized_reference(name: str, dtype: torch.dtype) -> floa
     zpp_compile.shard(model, zpp_compile.Config(quantize_weights=True, weight_block_size=BLOCK))
     with torch.no_grad():
         for (_, p_ref), p in zip(reference.named_parameters(), model.parameters()):
-            p_ref.copy_(_quantize_dequantize_per_shard(p_ref, shard_spec(p), BLOCK))
+            p_ref.copy_(quantize_dequantize_per_shard(p_ref, shard_spec(p), BLOCK))
     x, _ = batch(name, 2 * world, 0)
     x = x.chunk(world)[rank]
     x = x if name == "gpt" else x.to(dtype)
@@ -59,19 +50,26 @@ def test_gpt_forward_uses_dequantized_weights(pools):
     assert max(pools(2).run(forward_matches_dequantized_reference, "gpt", torch.float32)) <= 1e-5
 
 
-def forward_gather_bytes(block: int) -> tuple[int, int, int]:
+def _two_layers() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 128, bias=False))
-    zpp_compile.shard(model, zpp_compile.Config(quantize_weights=True, weight_block_size=block))
-    fp32_bytes = sum(p.numel() * 4 for p in model.parameters())
+    return nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 128, bias=False))
+
+
+def _gather_bytes_per_peer(model: nn.Module) -> tuple[int, int]:
+    """All-gather bytes one rank sends each peer in the forward and the backward of the second step."""
     counter = zpp_compile.comm_counter()
     compiled = torch.compile(model, backend="zeropp")
     compiled(torch.randn(2, 64)).sum().backward()
     counter.reset()
     compiled(torch.randn(2, 64)).sum().backward()
-    fw = counter.bytes(phase="forward", op="all_gather") // (dist.get_world_size() - 1)  # per peer
-    bw = counter.bytes(phase="backward", op="all_gather") // (dist.get_world_size() - 1)
-    return fw, bw, fp32_bytes
+    peers = dist.get_world_size() - 1
+    return counter.bytes(phase="forward", op="all_gather") // peers, counter.bytes(phase="backward", op="all_gather") // peers
+
+
+def forward_gather_bytes(block: int) -> tuple[int, int, int]:
+    model = _two_layers()
+    zpp_compile.shard(model, zpp_compile.Config(quantize_weights=True, weight_block_size=block))
+    return *_gather_bytes_per_peer(model), sum(p.numel() * 4 for p in model.parameters())
 
 
 @pytest.mark.parametrize("block", [64, 256])
@@ -82,6 +80,22 @@ def test_forward_gather_sends_int8_plus_one_scale_per_block(pools, block):
         assert fw == payload_numel(1024, block) + payload_numel(2048, block)
         # Only the second layer's weight is re-gathered in backward (input grads), in full precision.
         assert bw == 2048 * 4
+
+
+def frozen_layer_bytes(block: int) -> tuple[int, int, torch.dtype, int]:
+    model = _two_layers()
+    model[2].requires_grad_(False)  # frozen, after a trainable layer: backward needs it too
+    zpp_compile.shard(model, zpp_compile.Config(quantize_frozen_weights=True, weight_block_size=block))
+    stored = model[2]._parameters["weight"]
+    return *_gather_bytes_per_peer(model), stored.dtype, stored.numel()
+
+
+def test_frozen_weight_is_stored_and_gathered_as_int8_in_forward_and_backward(pools):
+    block = 64
+    for fw, bw, stored_dtype, stored_numel in pools(4).run(frozen_layer_bytes, block):
+        assert stored_dtype == torch.int8 and stored_numel == payload_numel(2048, block)
+        assert fw == 1024 * 4 + payload_numel(2048, block)  # the trainable layer stays fp32
+        assert bw == payload_numel(2048, block)  # the re-gather for the input gradient is int8 too
 
 
 def loss_curves(steps: int) -> dict[str, list[float]]:

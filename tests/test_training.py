@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 import zpp_compile
 from zpp_compile.sharding import local_shard, shard_spec
 
-from .models import batch, build, loss_of
+from .models import batch, build, loss_of, quantize_dequantize_per_shard
 
 LOCAL_BATCH = 2
 RTOL = 1e-5
@@ -45,8 +46,12 @@ def _gradient_errors(sharded: torch.nn.Module, reference: torch.nn.Module, step:
     return errors
 
 
-def train_vs_reference(name: str, mode: str, steps: int, micro_batches: int = 1) -> dict[str, float]:
-    """Train `steps` AdamW steps sharded (mode "eager" / "inductor" / "aot_eager") and unsharded."""
+def train_vs_reference(name: str, mode: str, steps: int, micro_batches: int = 1, **config) -> dict[str, float]:
+    """Train `steps` AdamW steps sharded (mode "eager" / "inductor" / "aot_eager") and unsharded.
+
+    `config` goes to zpp_compile.Config. With quantize_frozen_weights the reference's frozen
+    weights are the int8 values the sharded model stores, so training must still match exactly.
+    """
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = build(name)
@@ -54,7 +59,8 @@ def train_vs_reference(name: str, mode: str, steps: int, micro_batches: int = 1)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
 
     lowering = "aot_eager" if mode == "aot_eager" else "inductor"
-    zpp_compile.shard(model, zpp_compile.Config(lowering=lowering))
+    zpp_compile.shard(model, zpp_compile.Config(lowering=lowering, **config))
+    _use_stored_frozen_values(reference, model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     run = model if mode == "eager" else torch.compile(model, backend="zeropp")
     errors = {}
@@ -68,6 +74,14 @@ def train_vs_reference(name: str, mode: str, steps: int, micro_batches: int = 1)
             optimizer.step()
             optimizer.zero_grad()
     return errors | _relative_errors(zpp_compile.full_state_dict(model), reference)
+
+
+@torch.no_grad()
+def _use_stored_frozen_values(reference: torch.nn.Module, sharded: torch.nn.Module) -> None:
+    for p_ref, p in zip(reference.parameters(), sharded.parameters()):
+        spec = shard_spec(p)
+        if spec.quantized_block is not None:
+            p_ref.copy_(quantize_dequantize_per_shard(p_ref, spec, spec.quantized_block))
 
 
 def _assert_close(errors_per_rank: list[dict[str, float]]) -> None:
@@ -91,6 +105,14 @@ def test_gradient_accumulation_matches_reference(pools, mode):
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
 def test_graph_breaks_and_a_parameter_used_in_two_graphs(pools, mode):
     _assert_close(pools(2).run(train_vs_reference, "broken_mlp", mode, 3))
+
+
+@pytest.mark.parametrize("mode", ["eager", "inductor"])
+def test_frozen_weights_stored_as_int8_train_like_their_dequantized_values(pools, mode):
+    # OddMLP's frozen 29x29 layer sits between two trainable ones, so its weight is needed in
+    # backward too (for the input gradient); block 64 leaves a padded tail in every shard.
+    train = functools.partial(train_vs_reference, quantize_frozen_weights=True, weight_block_size=64)
+    _assert_close(pools(4).run(train, "mlp", mode, 3))
 
 
 def eval_matches_reference(name: str) -> float:

@@ -4,6 +4,7 @@
       -> PRE_AUTOGRAD_PASSES                       (dedupe gathers of one parameter)
       -> AOTAutograd joint graph (gather_param's autograd adds zpp.reduce_grad markers)
       -> JOINT_PASSES, min-cut partition           (gathered weights are recomputed, not saved)
+      -> PARTITION_PASSES on forward + backward    (hpZ: save secondary shards, gather in-node)
       -> FORWARD_PASSES / BACKWARD_PASSES           (markers -> functional collectives)
       -> Inductor compile_fx_inner, or the FX graph itself with Config(lowering="aot_eager")
 """
@@ -113,6 +114,7 @@ def _partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: passes.PassC
     joint_gm = passes.run_passes(joint_gm, joint_ctx, joint_passes)
     fw_gm, bw_gm = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
     passes.check_no_gathered_weight_saved(fw_gm, bw_gm, joint_ctx)
+    fw_gm, bw_gm = passes.run_partition_passes(fw_gm, bw_gm, ctx.for_phase("partitioned"))
     saved = [p for p in bw_gm.graph.nodes if p.op == "placeholder" and not p.name.startswith("tangents")]
     _RECORDS[ctx.graph_id].saved_for_backward = [p.meta["val"] for p in saved if "val" in p.meta]
     return fw_gm, bw_gm

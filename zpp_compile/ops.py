@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import comm
+from .codegen.quantize import dequantize_packed, payload_numel
 from .topology import current_topology
 
 # torch 2.13 renamed the flat-tensor collectives; keep torch >= 2.11 working.
@@ -39,6 +40,44 @@ def _(shard: Tensor, numel: int, shape: list[int], group_size: int, group_name: 
     return shard.new_empty(shape)
 
 
+@torch.library.custom_op("zpp::gather_quantized_param", mutates_args=())
+def gather_quantized_param(
+    payload: Tensor,
+    numel: int,
+    shape: list[int],
+    shard_numel: int,
+    block: int,
+    dtype: torch.dtype,
+    group_size: int,
+    group_name: str,
+) -> Tensor:
+    """All-gather packed int8 payloads and dequantize them to the full weight.
+
+    Each payload quantizes `shard_numel` elements; a rank may send several back to back (hpZ's
+    int8 secondary shard holds world/hpz_size of them). Used for frozen weights stored quantized
+    (Config.quantize_frozen_weights) and for hpZ's backward gather under qwZ.
+    """
+    out = payload.new_empty(payload.numel() * group_size)
+    _all_gather(out, payload.contiguous(), group=_resolve_process_group(group_name))
+    _record_eager("all_gather", "forward", group_name, payload)
+    n_payloads = out.numel() // payload_numel(shard_numel, block)
+    return dequantize_packed(out, n_payloads, shard_numel, block, dtype)[:numel].view(shape)
+
+
+@gather_quantized_param.register_fake
+def _(
+    payload: Tensor,
+    numel: int,
+    shape: list[int],
+    shard_numel: int,
+    block: int,
+    dtype: torch.dtype,
+    group_size: int,
+    group_name: str,
+) -> Tensor:
+    return payload.new_empty(shape, dtype=dtype)
+
+
 @torch.library.custom_op("zpp::reduce_grad", mutates_args=())
 def reduce_grad(grad: Tensor, numel: int, group_size: int, group_name: str) -> Tensor:
     """Reduce-scatter a full gradient and average it over the group: this rank's flat grad shard."""
@@ -52,6 +91,18 @@ def reduce_grad(grad: Tensor, numel: int, group_size: int, group_name: str) -> T
 @reduce_grad.register_fake
 def _(grad: Tensor, numel: int, group_size: int, group_name: str) -> Tensor:
     return grad.new_empty(padded_numel(numel, group_size) // group_size)
+
+
+@torch.library.custom_op("zpp::owned_copy", mutates_args=())
+def owned_copy(x: Tensor) -> Tensor:
+    """A copy in a buffer of its own. Opaque on purpose: Inductor drops a plain clone of a slice
+    (remove_noop_ops) and would return a view that keeps the whole gathered weight alive."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@owned_copy.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def pad_flat(flat: Tensor, target_numel: int) -> Tensor:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .codegen.quantize import quantize_packed
 from .config import Config
 from .ops import pad_flat, padded_numel
 from .topology import Topology, build_topology, require_initialized, set_current_topology
@@ -23,16 +24,23 @@ from .topology import Topology, build_topology, require_initialized, set_current
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """What a shard is a piece of: the full parameter's name, shape and the group it is split over."""
+    """What a shard is a piece of: the full parameter's name, shape and the group it is split over.
+
+    quantized_block is set when the shard is stored as its packed int8 payload
+    (Config.quantize_frozen_weights); dtype is then the dtype it dequantizes to.
+    """
 
     fqn: str
     shape: tuple[int, ...]
     numel: int
     group_size: int
     group_name: str
+    dtype: torch.dtype = torch.float32
+    quantized_block: Optional[int] = None
 
     @property
     def shard_numel(self) -> int:
+        """Elements of the full parameter each rank owns (padding included)."""
         return padded_numel(self.numel, self.group_size) // self.group_size
 
 
@@ -69,7 +77,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
         for name in names:
             full = module._parameters[name]
             if id(full) not in shards:
-                spec = _spec_for(_join(module_name, name), full, topology)
+                spec = _spec_for(_join(module_name, name), full, topology, config)
                 state.specs[spec.fqn] = spec
                 shards[id(full)] = _make_shard(full, spec, state)
             module._parameters[name] = shards[id(full)]
@@ -123,16 +131,30 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 def gather_full(shard_param: Tensor) -> Tensor:
     """The full parameter for a shard: the `zpp::gather_param` call every module read makes."""
     spec = shard_spec(shard_param)
+    if spec.quantized_block is not None:
+        return torch.ops.zpp.gather_quantized_param(
+            shard_param,
+            spec.numel,
+            list(spec.shape),
+            spec.shard_numel,
+            spec.quantized_block,
+            spec.dtype,
+            spec.group_size,
+            spec.group_name,
+        )
     return torch.ops.zpp.gather_param(shard_param, spec.numel, list(spec.shape), spec.group_size, spec.group_name)
 
 
-def _spec_for(fqn: str, full: Tensor, topology: Topology) -> ShardSpec:
+def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config) -> ShardSpec:
+    stored_quantized = config.quantize_frozen_weights and not full.requires_grad and full.is_floating_point()
     return ShardSpec(
         fqn=fqn,
         shape=tuple(full.shape),
         numel=full.numel(),
         group_size=topology.world_size,
         group_name=topology.world_group_name,
+        dtype=full.dtype,
+        quantized_block=config.weight_block_size if stored_quantized else None,
     )
 
 
@@ -144,6 +166,8 @@ def local_shard(full: Tensor, spec: ShardSpec, rank: int) -> Tensor:
 
 def _make_shard(full: nn.Parameter, spec: ShardSpec, state: ShardedState) -> nn.Parameter:
     local = local_shard(full, spec, state.topology.rank)
+    if spec.quantized_block is not None:
+        local = quantize_packed(local, spec.quantized_block)  # once, here: frozen weights never change
     shard_param = nn.Parameter(local, requires_grad=full.requires_grad)
     shard_param._zpp_spec = spec
     shard_param._zpp_state = state

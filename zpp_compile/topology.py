@@ -1,9 +1,11 @@
-"""Which ranks share a node: the world group and the node layout, derived identically on every rank."""
+"""Which ranks share a node: the world group, the node layout and the hpZ groups, derived
+identically on every rank. Sub-groups are created once per process and shared by every model."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -24,12 +26,23 @@ def require_initialized(what: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """World size, this rank, and how ranks map to nodes (node = rank // ranks_per_node)."""
+    """World size, this rank, and how ranks map to nodes (node = rank // ranks_per_node).
+
+    hpZ: hpz_size consecutive ranks of one node form this rank's secondary-partition group
+    (hpz_group_name); hpz_size 1 means hpZ is off and hpz_group_name is None.
+    """
 
     world_size: int
     rank: int
     ranks_per_node: int
     world_group_name: str
+    hpz_size: int = 1
+    hpz_group_name: Optional[str] = None
+
+    @property
+    def hpz_rank(self) -> int:
+        """This rank's index inside its hpZ group: which 1/hpz_size of each weight it keeps."""
+        return self.rank % self.hpz_size
 
     @property
     def num_nodes(self) -> int:
@@ -53,12 +66,55 @@ def build_topology(config: Config) -> Topology:
             "must hold the same number of ranks. Set Config(ranks_per_node=...) to a divisor of "
             f"{world}, or launch the same --nproc-per-node on every node."
         )
+    rank = dist.get_rank()
+    hpz_size = _checked_hpz_size(config, ranks_per_node)
     return Topology(
         world_size=world,
-        rank=dist.get_rank(),
+        rank=rank,
         ranks_per_node=ranks_per_node,
         world_group_name=dist.group.WORLD.group_name,
+        hpz_size=hpz_size,
+        hpz_group_name=_hpz_group_name(world, rank, hpz_size),
     )
+
+
+def _checked_hpz_size(config: Config, ranks_per_node: int) -> int:
+    if not config.hpz_enabled:
+        return 1
+    if ranks_per_node % config.hpz_size:
+        raise ValueError(
+            f"Config.hpz_size={config.hpz_size} must divide the ranks of a node (ranks_per_node="
+            f"{ranks_per_node}), so that no hpZ group crosses nodes; use a divisor of {ranks_per_node}, "
+            "e.g. hpz_size=ranks_per_node."
+        )
+    return config.hpz_size
+
+
+def _hpz_group_name(world: int, rank: int, hpz_size: int) -> Optional[str]:
+    """Create (once per process) the hpZ groups of hpz_size consecutive ranks; return this rank's."""
+    if hpz_size == 1:
+        return None
+    mine = None
+    for first in range(0, world, hpz_size):  # every rank creates every group, in the same order
+        ranks = tuple(range(first, first + hpz_size))
+        group_name = shared_group(ranks)
+        if rank in ranks:
+            mine = group_name
+    return mine
+
+
+_GROUPS: dict[tuple[int, ...], Optional[str]] = {}
+
+
+def shared_group(ranks: tuple[int, ...]) -> Optional[str]:
+    """The name of the process group of `ranks` (None on ranks outside it), created on first use.
+
+    Collective on first use: every rank of the world must ask for the same groups in the same order.
+    """
+    if ranks not in _GROUPS:
+        group = dist.new_group(list(ranks))
+        _GROUPS[ranks] = group.group_name if isinstance(group, dist.ProcessGroup) else None
+    return _GROUPS[ranks]
 
 
 def _local_world_size_from_env() -> int | None:
@@ -78,12 +134,16 @@ _CURRENT: Topology | None = None
 def set_current_topology(topology: Topology) -> None:
     """Remember the layout shard() used; every sharded model in a process must agree on it."""
     global _CURRENT
-    if _CURRENT is not None and _CURRENT != topology:
+    if _CURRENT is not None and _node_layout(_CURRENT) != _node_layout(topology):
         raise ValueError(
             f"this process already sharded a model with {_CURRENT}, and now asks for {topology}; "
             "shard every model of a process with the same ranks_per_node."
         )
     _CURRENT = topology
+
+
+def _node_layout(t: Topology) -> tuple:
+    return (t.world_size, t.rank, t.ranks_per_node, t.world_group_name)  # hpz_size may differ per model
 
 
 def current_topology() -> Topology:

@@ -1,3 +1,9 @@
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 import zpp_compile  # noqa: F401
@@ -18,19 +24,49 @@ def _gather_graph(group_name):
     return trace(f, shard, x), shard, x
 
 
-def test_forward_gather_becomes_int8_gather_of_blocks_and_scales(group_of_one):
+def test_forward_gather_becomes_one_int8_gather_of_the_packed_payload(group_of_one):
     gm, shard, x = _gather_graph(group_of_one)
     gm = qwz(gm, context(group_of_one, quantize_weights=True, weight_block_size=64))
     assert torch.ops.zpp.gather_param.default not in targets(gm)
     gathers = [n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default]
-    assert [g.args[0].meta["val"].dtype for g in gathers] == [torch.int8, torch.float32]
-    assert [g.args[0].meta["val"].numel() for g in gathers] == [4 * 64, 4]
+    assert [g.args[0].meta["val"].dtype for g in gathers] == [torch.int8]
+    assert [g.args[0].meta["val"].numel() for g in gathers] == [4 * 64 + 4 * 4]  # 4 blocks + 4 fp32 scales
     q, scale = quantize_int8_blocks(shard, 64)
     expected_weight = dequantize_int8_blocks(q, scale, torch.float32)[:200].view(10, 20)
     torch.testing.assert_close(gm(shard, x), x @ expected_weight.t())
     for node in gm.graph.nodes:
         if node.op == "call_function":
             assert "val" in node.meta, f"{node.name} lost its fake value"
+
+
+# Tracing a Triton kernel needs the compiled (not interpreted) Triton frontend, and this test
+# session runs Triton interpreted when there is no GPU: so this check runs in a fresh process.
+_TRACE_WITH_TRITON_KERNELS = """
+import torch
+from tests.passes.helpers import context, trace
+from zpp_compile.passes import qwz
+
+def f(shard, x):
+    return x @ torch.ops.zpp.gather_param(shard, 200, [10, 20], 4, "some_group").t()
+
+gm = qwz(trace(f, torch.randn(200), torch.randn(3, 20)), context("some_group", quantize_weights=True))
+print([n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"])
+"""
+
+
+def test_triton_kernels_enter_the_graph_as_user_kernels():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ZPP_QUANT_KERNELS"] = "triton"  # what a CUDA shard gets without the override
+    done = subprocess.run(
+        [sys.executable, "-c", _TRACE_WITH_TRITON_KERNELS], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    targets = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    kernels = [t for t in targets if t == "triton_kernel_wrapper_functional"]
+    assert len(kernels) == 2, f"quantize and dequantize must reach Inductor as Triton kernels: {targets}"
+    assert targets.count("all_gather_into_tensor.default") == 1
+    assert "gather_param.default" not in targets
 
 
 def test_graph_is_unchanged_when_quantize_weights_is_off(group_of_one):

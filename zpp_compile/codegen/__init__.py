@@ -1,6 +1,7 @@
-"""Kernels for the quantized collectives (qwZ / qgZ).
+"""Kernels for the quantized collectives (qwZ; qgZ to come).
 
-quantize.py: qwZ's int8 per-block quantize / dequantize as plain torch code, traced into the graph
-by passes/qwz.py so that Inductor generates the CPU (C++/OpenMP) kernels. The Triton GPU kernels
-and the per-device registry are not written yet.
+quantize.py        the reference: int8 per-block quantize / dequantize and the packed payload, as
+                   plain torch code that Inductor turns into C++/OpenMP kernels on CPU.
+triton_quantize.py the same ops as hand-written Triton kernels (CUDA; the interpreter in tests).
+registry.py        which of the two a device gets.
 """

@@ -3,12 +3,14 @@
 Written as ordinary ATen-level torch code so that the qwZ pass can trace it into the graph, where
 Inductor turns it into fused C++/OpenMP kernels on CPU (the same code runs eagerly for tests).
 
-What one rank sends: q (n_blocks * block int8) and its scales (n_blocks float32), as two
-all-gathers issued back to back. One packed int8 buffer (scales bit-cast into it) is the goal and
-is not done yet.
+What one rank sends is one packed int8 payload, and one all-gather carries it:
+    [ q: n_blocks * block int8 | scales: n_blocks float32, bit-cast to 4 * n_blocks int8 ]
+block is a multiple of 8, so every rank's scales start 4-byte aligned in the gathered buffer and
+can be read back with a bit-cast view, no copy. The Triton kernels (triton_quantize.py) write and
+read exactly this layout.
 
 Inductor 2.13 on CPU miscompiles "int8 * scale, reshape, slice each row, flatten" (values of
-1e18 came out, even without collectives); dequantize_gathered therefore drops each rank's
+1e18 came out, even without collectives); dequantize_packed therefore drops each rank's
 padding with an index gather instead of a row slice.
 
 Special values, by design:
@@ -46,8 +48,9 @@ def quantize_int8_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     absmax = blocks.abs().amax(dim=1)  # nan propagates, inf stays inf
     scale = absmax / QMAX
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero (or nan) blocks: divide by 1
-    scaled = torch.nan_to_num(blocks / divisor[:, None], nan=0.0, posinf=QMAX, neginf=-QMAX)
-    q = torch.clamp(torch.round(scaled), -QMAX, QMAX).to(torch.int8)
+    scaled = blocks / divisor[:, None]
+    scaled = torch.where(scaled != scaled, 0.0, scaled)  # nan -> 0 (not nan_to_num: its isnan is not vectorized)
+    q = torch.clamp(torch.round(scaled), -QMAX, QMAX).to(torch.int8)  # +-inf -> +-127
     scale = torch.where(torch.isfinite(absmax), scale, torch.full_like(scale, float("nan")))
     return q, scale
 
@@ -57,28 +60,34 @@ def dequantize_int8_blocks(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tens
     return (q.float() * scale.unsqueeze(-1)).to(dtype).flatten(-2)
 
 
-def dequantize_gathered(
-    q_all: Tensor, scale_all: Tensor, group_size: int, shard_numel: int, block: int, dtype: torch.dtype
-) -> Tensor:
-    """All ranks' blocks and scales, concatenated -> the flat full tensor (shard_numel * group_size)."""
+def pack_payload(q: Tensor, scale: Tensor) -> Tensor:
+    """(q int8 [n_blocks, block], scale float32 [n_blocks]) -> one int8 payload (layout above)."""
+    return torch.cat([q.reshape(-1), scale.view(torch.int8)])
+
+
+def unpack_payloads(payloads: Tensor, group_size: int, shard_numel: int, block: int) -> tuple[Tensor, Tensor]:
+    """All ranks' payloads, concatenated -> (q [group, n_blocks, block], scale [group, n_blocks])."""
     nb = num_blocks(shard_numel, block)
-    values = dequantize_int8_blocks(q_all.view(group_size, nb, block), scale_all.view(group_size, nb), dtype)
-    values = values.reshape(-1)
+    rows = payloads.view(group_size, payload_numel(shard_numel, block))
+    q = rows[:, : nb * block].view(group_size, nb, block)
+    scale = rows[:, nb * block :].contiguous().view(torch.float32)
+    return q, scale
+
+
+def quantize_packed(shard: Tensor, block: int) -> Tensor:
+    """A shard -> its packed int8 payload."""
+    return pack_payload(*quantize_int8_blocks(shard, block))
+
+
+def dequantize_packed(
+    payloads: Tensor, group_size: int, shard_numel: int, block: int, dtype: torch.dtype
+) -> Tensor:
+    """All ranks' payloads, concatenated -> the flat full tensor (shard_numel * group_size) in `dtype`."""
+    nb = num_blocks(shard_numel, block)
+    q, scale = unpack_payloads(payloads, group_size, shard_numel, block)
+    values = dequantize_int8_blocks(q, scale, dtype).reshape(-1)
     if nb * block == shard_numel:
         return values
     i = torch.arange(group_size * shard_numel, device=values.device)
     return values[(i // shard_numel) * (nb * block) + i % shard_numel]  # see the module docstring
 
-
-def quantized_all_gather(
-    shard: Tensor, numel: int, shape: list[int], group_size: int, group_name: str, block: int
-) -> Tensor:
-    """qwZ's forward gather: quantize, all-gather data and scales, dequantize to the shard's dtype."""
-    c10d = torch.ops._c10d_functional
-    q, scale = quantize_int8_blocks(shard, block)
-    q_all = c10d.all_gather_into_tensor(q.reshape(-1), group_size, group_name)
-    scale_all = c10d.all_gather_into_tensor(scale, group_size, group_name)
-    full = dequantize_gathered(
-        c10d.wait_tensor(q_all), c10d.wait_tensor(scale_all), group_size, shard.numel(), block, shard.dtype
-    )
-    return full[:numel].view(shape)

@@ -11,21 +11,26 @@ import torch.fx as fx
 
 from .context import PassContext
 from .dedupe_gathers import dedupe_gathers
+from .hpz import hpz
 from .lower_gather import lower_gather
+from .lower_quantized_gather import lower_quantized_gather
 from .lower_reduce import lower_reduce
 from .qwz import qwz
 from .recompute import check_no_gathered_weight_saved, tag_gathers_for_recompute
 
 GraphPass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+PartitionPass = Callable[[fx.GraphModule, fx.GraphModule, PassContext], tuple[fx.GraphModule, fx.GraphModule]]
 
 # On the Dynamo graph, before AOTAutograd (changes what the backward computes).
 PRE_AUTOGRAD_PASSES: list[GraphPass] = [dedupe_gathers]
 # On the joint graph, before partitioning (changes what the forward saves).
 JOINT_PASSES: list[GraphPass] = [tag_gathers_for_recompute]
+# On the forward and backward graphs together, right after partitioning (changes what is saved).
+PARTITION_PASSES: list[PartitionPass] = [hpz]
 # On the partitioned graphs, before lowering to Inductor.
 # qwz first: it rewrites the forward gathers it quantizes; lower_gather takes whatever is left.
-FORWARD_PASSES: list[GraphPass] = [qwz, lower_gather]
-BACKWARD_PASSES: list[GraphPass] = [lower_gather, lower_reduce]
+FORWARD_PASSES: list[GraphPass] = [qwz, lower_gather, lower_quantized_gather]
+BACKWARD_PASSES: list[GraphPass] = [lower_gather, lower_quantized_gather, lower_reduce]
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[GraphPass]) -> fx.GraphModule:
@@ -37,18 +42,34 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[GraphPass]) ->
     return gm
 
 
+def run_partition_passes(
+    fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, ctx: PassContext
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Apply PARTITION_PASSES, dumping both graphs after each (stages "<pass>_forward/_backward")."""
+    for partition_pass in PARTITION_PASSES:
+        fw_gm, bw_gm = partition_pass(fw_gm, bw_gm, ctx)
+        ctx.dump(fw_gm, f"{partition_pass.__name__}_forward")
+        ctx.dump(bw_gm, f"{partition_pass.__name__}_backward")
+    return fw_gm, bw_gm
+
+
 __all__ = [
     "BACKWARD_PASSES",
     "FORWARD_PASSES",
     "JOINT_PASSES",
     "PRE_AUTOGRAD_PASSES",
+    "PARTITION_PASSES",
     "GraphPass",
+    "PartitionPass",
     "PassContext",
     "check_no_gathered_weight_saved",
     "dedupe_gathers",
+    "hpz",
     "lower_gather",
+    "lower_quantized_gather",
     "lower_reduce",
     "qwz",
+    "run_partition_passes",
     "run_passes",
     "tag_gathers_for_recompute",
 ]

@@ -6,6 +6,7 @@ Before (Dynamo graph; a tied weight read by two modules, or a weight read twice)
 After:
     w_a = zpp.gather_param(shard, 35, [7, 5], 4, '0')      ... used by linear_1 and linear_2
 
+Frozen weights stored quantized (zpp.gather_quantized_param) are deduplicated the same way.
 Runs before AOTAutograd, so the backward also gets one gradient reduce-scatter for the tied
 weight (autograd sums the two uses first) instead of two.
 """
@@ -14,11 +15,10 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.fx as fx
 
 from .context import PassContext
-from .graph_utils import calls, finish, replace_node
+from .graph_utils import GATHER_MARKERS, calls, finish, replace_node
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     first_gather: dict[tuple, fx.Node] = {}
     removed = 0
-    for node in calls(gm.graph, torch.ops.zpp.gather_param.default):
+    for node in calls(gm.graph, *GATHER_MARKERS):
         key = _gather_key(node)
         if key in first_gather:
             replace_node(node, first_gather[key])
@@ -40,4 +40,4 @@ def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _gather_key(node: fx.Node) -> tuple:
-    return tuple(tuple(a) if isinstance(a, list) else a for a in node.args)
+    return (node.target, *(tuple(a) if isinstance(a, list) else a for a in node.args))

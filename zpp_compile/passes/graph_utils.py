@@ -13,6 +13,9 @@ from torch.utils._pytree import tree_map_only
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
+# The markers that stand for "the full weight of this parameter", before lowering.
+GATHER_MARKERS = (torch.ops.zpp.gather_param.default, torch.ops.zpp.gather_quantized_param.default)
+
 
 def is_call(node: fx.Node, *targets: Any) -> bool:
     return node.op == "call_function" and node.target in targets
@@ -89,11 +92,14 @@ def inline_traced(graph: fx.Graph, fn: Callable, node_args: list[fx.Node], decom
 
     Lets a pass write a rewrite as plain torch code (see codegen/quantize.py) instead of node by
     node; the copied nodes carry valid meta["val"]. Returns the node(s) of fn's output.
+    Traced functionalized, as AOTAutograd would: a torch.library.triton_op then becomes
+    triton_kernel_wrapper_functional, the form Inductor schedules as a user Triton kernel.
     """
+    from torch._subclasses.functional_tensor import dispatch_functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_args = [n.meta["val"] for n in node_args]
     with detect_fake_mode(fake_args):
-        traced = make_fx(fn, decomposition_table=decompositions or {})(*fake_args)
+        traced = make_fx(dispatch_functionalize(fn), decomposition_table=decompositions or {})(*fake_args)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     return graph.graph_copy(traced.graph, dict(zip(placeholders, node_args)))

@@ -3,12 +3,12 @@
 Runs on the partitioned forward (and inference) graph, before lower_gather; backward gathers are
 left to lower_gather and stay full precision.
 Before:  w = zpp.gather_param(shard, numel, shape, group_size, group_name)
-After:   (traced from codegen.quantize.quantized_all_gather)
-         absmax / scale / round / clamp per block        -> q int8, scale float32
-         all_gather_into_tensor(q) ; all_gather_into_tensor(scale) ; wait_tensor x2
-         q * scale per block -> drop each rank's padding -> view(shape) -> w (in the shard's dtype)
-Inductor fuses the quantize chain into one kernel writing the int8 send buffer, and the
-dequantize chain into one kernel after the gathers.
+After:   payload = quantize_packed(shard)            int8 blocks + fp32 scales in one buffer
+         gathered = wait_tensor(all_gather_into_tensor(payload))      one collective
+         w = dequantize_packed(gathered)[:numel].view(shape)          in the shard's dtype
+The two kernels come from codegen.registry for the shard's device: on CPU plain torch code that
+Inductor fuses into one C++ kernel each; on CUDA the hand-written Triton kernels, traced as
+triton_kernel_wrapper_functional so that Inductor schedules them as kernels.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import logging
 
 import torch
 import torch.fx as fx
+from torch import Tensor
 
-from ..codegen.quantize import quantized_all_gather
+from ..codegen.quantize import payload_numel
+from ..codegen.registry import QuantKernels, quant_kernels
 from .context import PassContext
 from .graph_utils import inline_traced, rewrite_calls
 
@@ -34,9 +36,46 @@ def qwz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return rewrite_calls(gm, torch.ops.zpp.gather_param.default, rewrite, "qwz", ctx.label)
 
 
+def quantized_all_gather(
+    shard: Tensor, numel: int, shape: list[int], group_size: int, group_name: str, block: int, kernels: QuantKernels
+) -> tuple[Tensor, Tensor]:
+    """qwZ's forward gather: quantize into the payload, one all-gather, dequantize to the shard's dtype.
+
+    Returns (full weight, the gathered int8 payloads); hpZ keeps a slice of the latter.
+    """
+    payload = kernels.quantize_packed(shard, block)
+    return gather_and_dequantize(payload, numel, shape, shard.numel(), block, shard.dtype, group_size, group_name, kernels)
+
+
+def gather_and_dequantize(
+    payload: Tensor,
+    numel: int,
+    shape: list[int],
+    shard_numel: int,
+    block: int,
+    dtype: torch.dtype,
+    group_size: int,
+    group_name: str,
+    kernels: QuantKernels,
+) -> tuple[Tensor, Tensor]:
+    """One all-gather of every rank's packed payload(s), dequantized to the full weight in `dtype`.
+
+    Returns (full weight, the gathered int8 payloads it was dequantized from).
+    """
+    c10d = torch.ops._c10d_functional
+    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(payload, group_size, group_name))
+    n_payloads = gathered.numel() // payload_numel(shard_numel, block)
+    full = kernels.dequantize_packed(gathered, n_payloads, shard_numel, block, dtype)
+    return full[:numel].view(shape), gathered
+
+
 def _quantized_gather(graph: fx.Graph, marker: fx.Node, *, block: int, decompositions: dict) -> fx.Node:
     shard, numel, shape, group_size, group_name = marker.args
+    kernels = quant_kernels(shard.meta["val"].device)
     fn = functools.partial(
-        quantized_all_gather, numel=numel, shape=list(shape), group_size=group_size, group_name=group_name, block=block
-    )
-    return inline_traced(graph, fn, [shard], decompositions)
+        quantized_all_gather,
+        numel=numel, shape=list(shape), group_size=group_size, group_name=group_name, block=block, kernels=kernels,
+    )  # fmt: skip
+    log.debug("qwz: %s kernels for %s", kernels.name, marker.name)
+    weight, _ = inline_traced(graph, fn, [shard], decompositions)
+    return weight

@@ -12,14 +12,11 @@ After:   the same graph, with node.meta["recompute"] = MUST_RECOMPUTE on `w` and
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .context import PassContext
-from .graph_utils import calls, is_view_or_cast
-
-GATHER_OPS = (torch.ops.zpp.gather_param.default,)
+from .graph_utils import GATHER_MARKERS, calls, is_view_or_cast
 
 
 class GatheredWeightSavedError(RuntimeError):
@@ -37,7 +34,7 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
 def gathered_weight_nodes(graph: fx.Graph) -> list[fx.Node]:
     """Every gather output and every view/cast of one: the values that are full-size weights."""
     found: dict[fx.Node, None] = {}
-    frontier = list(calls(graph, *GATHER_OPS))
+    frontier = list(calls(graph, *GATHER_MARKERS))
     while frontier:
         node = frontier.pop()
         if node in found:

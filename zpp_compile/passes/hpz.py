@@ -1,0 +1,145 @@
+"""hpz: the backward re-gathers a weight from secondary shards inside the node (ZeRO++ hpZ).
+
+A partition pass: runs on the forward and backward graphs together, right after the min-cut
+partition, because it changes what one saves and the other reads. K = hpz_size, k = this rank's
+index in its hpZ group (K consecutive ranks of one node), W = world size.
+
+Before (forward saves the primary shard; the backward re-gathers over the whole world):
+    fw:  w = zpp.gather_param(shard, numel, shape, W, world)      ...  return (out, ..., shard)
+    bw:  shard (input) -> w = zpp.gather_param(shard, numel, shape, W, world)
+
+After, full-precision secondary (qwZ off):
+    fw:  w = zpp.gather_param(shard, ...); sec = owned_copy(pad(w.view(-1))[k*W*S/K : (k+1)*W*S/K])
+         return (out, ..., sec)
+    bw:  sec (input) -> w = zpp.gather_param(sec, numel, shape, K, hpz_group)
+
+After, int8 secondary (qwZ on, or a frozen weight stored int8; Config.hpz_quantized_secondary):
+    fw:  payload = quantize_packed(shard); g = wait(all_gather(payload))     (qwZ, inlined here)
+         w = dequantize_packed(g)...;  sec = owned_copy(g[k*W/K payloads : (k+1)*W/K payloads])
+    bw:  sec (input) -> w = zpp.gather_quantized_param(sec, numel, shape, S, block, dtype, K, hpz_group)
+The K-rank gather of the W/K-payload slices rebuilds exactly the W payloads the forward gathered,
+so the backward dequantizes the very bytes the forward did.
+
+Either way `sec` is taken from the tensor the forward used, so backward values equal forward
+values, and nothing persists between steps: no stale copy to invalidate (DeepSpeed's hpZ had
+stale-copy and race bugs exactly there). The backward gather never leaves the node.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.fx as fx
+
+from ..codegen.quantize import payload_numel
+from ..codegen.registry import quant_kernels
+from ..ops import padded_numel
+from .context import PassContext
+from .graph_utils import GATHER_MARKERS, aten, calls, finish, inline_traced, insert_call, replace_node
+from .qwz import gather_and_dequantize, quantized_all_gather
+
+log = logging.getLogger(__name__)
+
+
+def hpz(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, fx.GraphModule]:
+    if ctx.topology.hpz_size == 1:
+        log.debug("hpz: %s: hpZ is off; graphs unchanged", ctx.label)
+        return fw_gm, bw_gm
+    fw_gathers = {m.args[0].name: m for m in calls(fw_gm.graph, *GATHER_MARKERS) if m.args[0].op == "placeholder"}
+    fw_outputs = list(fw_gm.graph.output_node().args[0])
+    rewritten = 0
+    for saved in _saved_shards_regathered(bw_gm):
+        marker = fw_gathers.get(saved.name)
+        if marker is None or fw_outputs.count(marker.args[0]) != 1:
+            continue
+        index = fw_outputs.index(marker.args[0])
+        with fw_gm.graph.inserting_before(marker.next):  # in order, right after the gather
+            if _keeps_int8(marker, ctx):
+                fw_outputs[index], backward_gather = _int8_secondary(fw_gm.graph, marker, ctx)
+            else:
+                fw_outputs[index], backward_gather = _full_precision_secondary(fw_gm.graph, marker, ctx)
+        _gather_secondary_in_backward(saved, fw_outputs[index], backward_gather)
+        rewritten += 1
+    if not rewritten:
+        log.debug("hpz: %s: the backward re-gathers no weight; graphs unchanged", ctx.label)
+        return fw_gm, bw_gm
+    fw_gm.graph.output_node().args = (tuple(fw_outputs),)
+    return finish(fw_gm), finish(bw_gm)
+
+
+def _saved_shards_regathered(bw_gm: fx.GraphModule) -> list[fx.Node]:
+    """Backward inputs that are only ever gathered: the primary shards the forward saved."""
+    return [
+        p
+        for p in bw_gm.graph.nodes
+        if p.op == "placeholder" and p.users and all(u.target in GATHER_MARKERS and u.args[0] is p for u in p.users)
+    ]
+
+
+def _keeps_int8(marker: fx.Node, ctx: PassContext) -> bool:
+    if not ctx.config.hpz_quantized_secondary:
+        return False
+    return marker.target == torch.ops.zpp.gather_quantized_param.default or ctx.config.quantize_weights
+
+
+def _full_precision_secondary(graph: fx.Graph, marker: fx.Node, ctx: PassContext) -> tuple[fx.Node, tuple]:
+    """This rank's 1/K slice of the flat, padded full weight, and the backward gather's (target, args)."""
+    numel, shape, group_size = marker.args[1], marker.args[2], marker.args[-2]
+    total = padded_numel(numel, group_size)  # W * S, a multiple of K because K divides W
+    flat = insert_call(graph, aten.view.default, marker, [-1])
+    if total != numel:
+        flat = insert_call(graph, aten.constant_pad_nd.default, flat, [0, total - numel])
+    secondary = _own_slice(graph, flat, total // ctx.topology.hpz_size, ctx)
+    topology = ctx.topology
+    return secondary, (torch.ops.zpp.gather_param.default, (numel, shape, topology.hpz_size, topology.hpz_group_name))
+
+
+def _int8_secondary(graph: fx.Graph, marker: fx.Node, ctx: PassContext) -> tuple[fx.Node, tuple]:
+    """Inline the int8 gather here, keep this rank's slice of the gathered payloads."""
+    source = marker.args[0]
+    kernels = quant_kernels(source.meta["val"].device)
+    if marker.target == torch.ops.zpp.gather_param.default:
+        _, numel, shape, group_size, group_name = marker.args
+        block, dtype, shard_numel = ctx.config.weight_block_size, source.meta["val"].dtype, source.meta["val"].numel()
+        fn = functools.partial(
+            quantized_all_gather,
+            numel=numel, shape=list(shape), group_size=group_size, group_name=group_name, block=block, kernels=kernels,
+        )  # fmt: skip
+    else:
+        _, numel, shape, shard_numel, block, dtype, group_size, group_name = marker.args
+        fn = functools.partial(
+            gather_and_dequantize,
+            numel=numel, shape=list(shape), shard_numel=shard_numel, block=block, dtype=dtype,
+            group_size=group_size, group_name=group_name, kernels=kernels,
+        )  # fmt: skip
+    weight, gathered = inline_traced(graph, fn, [source], ctx.decompositions)
+    replace_node(marker, weight)
+    secondary = _own_slice(graph, gathered, gathered.meta["val"].numel() // ctx.topology.hpz_size, ctx)
+    assert secondary.meta["val"].numel() == group_size // ctx.topology.hpz_size * payload_numel(shard_numel, block)
+    topology = ctx.topology
+    args = (numel, shape, shard_numel, block, dtype, topology.hpz_size, topology.hpz_group_name)
+    return secondary, (torch.ops.zpp.gather_quantized_param.default, args)
+
+
+def _own_slice(graph: fx.Graph, flat: fx.Node, length: int, ctx: PassContext) -> fx.Node:
+    start = ctx.topology.hpz_rank * length
+    piece = insert_call(graph, aten.slice.Tensor, flat, 0, start, start + length)
+    # Its own buffer, so the full weight can be freed after its last forward use (see ops.owned_copy).
+    secondary = insert_call(graph, torch.ops.zpp.owned_copy.default, piece)
+    secondary.meta["zpp_hpz_secondary"] = True
+    return secondary
+
+
+def _gather_secondary_in_backward(saved: fx.Node, secondary: fx.Node, backward_gather: tuple) -> None:
+    """The backward input becomes the secondary shard; its gathers run over the hpZ group."""
+    target, args = backward_gather
+    value = secondary.meta["val"]
+    saved.meta["val"] = saved.meta["val"].new_empty(value.shape, dtype=value.dtype)
+    saved.meta.pop("tensor_meta", None)
+    for marker in list(saved.users):
+        with saved.graph.inserting_before(marker):
+            gather = saved.graph.call_function(target, (saved, *args))
+        gather.meta = dict(marker.meta)
+        replace_node(marker, gather)
