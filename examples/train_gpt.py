@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # compiled, ZeRO-3
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --eager    # eager reference
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --ranks-per-node 2 --qwz --hpz 2 --qgz
 
 Every machine with Python has the data: the .py files of the standard library, read as bytes.
 Writes the loss curve to runs/train_gpt_<mode>.csv.
@@ -41,6 +42,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="run the sharded model without torch.compile")
     p.add_argument("--lowering", choices=["inductor", "aot_eager"], default="inductor")
     p.add_argument("--ranks-per-node", type=int, default=None, help="simulate several nodes on one machine")
+    p.add_argument("--qwz", action="store_true", help="ZeRO++ qwZ: int8 forward weight gathers")
+    p.add_argument("--hpz", type=int, default=None, metavar="K", help="ZeRO++ hpZ: secondary partition of K ranks")
+    p.add_argument("--qgz", action="store_true", help="ZeRO++ qgZ: int4 hierarchical gradient all-to-alls")
+    p.add_argument("--qgz-ef", action="store_true", help="qgZ with error feedback")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--data-mb", type=float, default=8.0, help="megabytes of stdlib source to read")
     p.add_argument("--out-dir", default="runs")
@@ -87,10 +92,20 @@ def main() -> None:
     cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    zpp_compile.shard(model, zpp_compile.Config(ranks_per_node=args.ranks_per_node, lowering=args.lowering))
+    config = zpp_compile.Config(
+        ranks_per_node=args.ranks_per_node,
+        lowering=args.lowering,
+        quantize_weights=args.qwz,
+        hpz_size=args.hpz,
+        quantize_gradients=args.qgz or args.qgz_ef,
+        qgz_error_feedback=args.qgz_ef,
+    )
+    zpp_compile.shard(model, config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     run = model if args.eager else torch.compile(model, backend="zeropp")
-    mode = "eager" if args.eager else f"compiled-{args.lowering}"
+    flags = (("qwz", args.qwz), (f"hpz{args.hpz}", args.hpz), ("qgz", args.qgz and not args.qgz_ef), ("qgz-ef", args.qgz_ef))
+    features = [name for name, on in flags if on]
+    mode = "eager" if args.eager else "+".join([f"compiled-{args.lowering}", *features])
 
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"zpp_compile {mode}: GPT {n_params / 1e6:.2f}M params, world {world}, "

@@ -85,3 +85,26 @@ def quantize_dequantize_per_shard(full: torch.Tensor, spec: ShardSpec, block: in
         q, scale = quantize_int8_blocks(local_shard(full, spec, r), block)
         pieces.append(dequantize_int8_blocks(q, scale, full.dtype)[: spec.shard_numel])
     return torch.cat(pieces)[: spec.numel].view(full.shape)
+
+
+def gpt_loss_curve(config: "zpp_compile.Config", steps: int, lr: float = 3e-3) -> tuple[list[float], nn.Module]:
+    """Train the tiny GPT sharded with `config`, compiled, for `steps` AdamW steps on this rank's
+    slice of the global batches; return the losses and the (sharded) model."""
+    import torch.distributed as dist
+
+    import zpp_compile
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = zpp_compile.shard(build("gpt"), config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    compiled = torch.compile(model, backend="zeropp")
+    losses = []
+    for step in range(steps):
+        x, y = batch("gpt", 4 * world, step)
+        loss = loss_of("gpt", compiled, x.chunk(world)[rank], y.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model

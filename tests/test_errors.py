@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,8 @@ from .models import OddMLP
         ({"ranks_per_node": 2.0}, TypeError, "ranks_per_node must be an int"),
         ({"quantize_weights": "yes"}, TypeError, "quantize_weights must be True or False"),
         ({"quantize_frozen_weights": 1}, TypeError, "quantize_frozen_weights must be True or False"),
+        ({"qgz_error_feedback": True}, ValueError, "qgz_error_feedback=True needs quantize_gradients=True"),
+        ({"gradient_block_size": 100}, ValueError, "gradient_block_size=100 must be a multiple of 8"),
         ({"lowering": "tvm"}, ValueError, "use 'inductor' or 'aot_eager'"),
     ],
 )
@@ -84,8 +87,17 @@ def misfit_ranks_per_node() -> None:
     zpp_compile.shard(OddMLP(), zpp_compile.Config(ranks_per_node=3))
 
 
-def unimplemented_feature(field: str) -> None:
-    zpp_compile.shard(OddMLP(), zpp_compile.Config(**{field: True}))
+def launcher_numbers_ranks_across_nodes() -> None:
+    saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    os.environ.update(LOCAL_WORLD_SIZE="1", GROUP_RANK="0")  # rank 1 claims node 0: not rank // 1
+    try:
+        zpp_compile.shard(OddMLP())
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def hpz_size_not_dividing_the_node() -> None:
@@ -99,8 +111,8 @@ def hpz_size_not_dividing_the_node() -> None:
         (1, shard_twice, (), "shard\\(\\) was already called on this model"),
         (1, shard_submodule_then_root, (), "already a zpp_compile shard"),
         (4, misfit_ranks_per_node, (), "world size 4 is not a multiple of ranks_per_node=3"),
+        (2, launcher_numbers_ranks_across_nodes, (), "rank 1 runs on node 0 \\(GROUP_RANK\\)"),
         (4, hpz_size_not_dividing_the_node, (), "hpz_size=4 must divide the ranks of a node \\(ranks_per_node=2\\)"),
-        (1, unimplemented_feature, ("quantize_gradients",), "NotImplementedError: Config.quantize_gradients turns on qgZ"),
     ],
 )
 def test_bad_use_is_refused_with_a_clear_message(pools, world, task, args, message):

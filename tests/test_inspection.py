@@ -12,7 +12,7 @@ import zpp_compile
 from zpp_compile import passes
 from zpp_compile.backend import compiled_graphs
 
-from .models import OddMLP, batch
+from .models import OddMLP, batch, build, loss_of
 
 # Full weight numels of OddMLP: fc1 29x13, frozen 29x29, fc2 7x29; no activation has these sizes.
 FULL_WEIGHT_NUMELS = {29 * 13, 29 * 29, 7 * 29}
@@ -99,6 +99,25 @@ def test_counter_matches_zero3_volume_eager(pools):
 def test_counter_matches_zero3_volume_compiled(pools):
     for c in pools(4).run(counted_bytes, "compiled"):
         _check_zero3_volume(c)
+
+
+def tied_weight_collectives() -> tuple[int, int, int]:
+    """(forward all-gathers, backward reduce-scatters, parameters) of one compiled GPT step."""
+    torch.manual_seed(0)
+    model = zpp_compile.shard(build("gpt"))
+    counter = zpp_compile.comm_counter()
+    counter.reset()
+    x, y = batch("gpt", 2 * dist.get_world_size(), 0)
+    loss_of("gpt", torch.compile(model, backend="zeropp"), x[:2], y[:2]).backward()
+    gathers, reduces = counter.calls(phase="forward", op="all_gather"), counter.calls(op="reduce_scatter")
+    return gathers, reduces, len(list(model.parameters()))
+
+
+def test_tied_weight_is_gathered_once_and_reduced_once(pools):
+    # GPT's wte and lm_head share one Parameter: Dynamo's graph reads it twice, dedupe_gathers
+    # must leave one gather, so autograd sums both uses before a single reduce-scatter.
+    gathers, reduces, params = pools(2).run(tied_weight_collectives)[0]
+    assert gathers == reduces == params
 
 
 def explain_vs_counter() -> tuple[str, int, int, int, int, bool]:

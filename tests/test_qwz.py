@@ -13,7 +13,7 @@ import zpp_compile
 from zpp_compile.codegen.quantize import payload_numel
 from zpp_compile.sharding import shard_spec
 
-from .models import batch, build, loss_of, quantize_dequantize_per_shard
+from .models import batch, build, gpt_loss_curve, quantize_dequantize_per_shard
 from .workers import reset_process_state
 
 BLOCK = 64
@@ -99,23 +99,9 @@ def test_frozen_weight_is_stored_and_gathered_as_int8_in_forward_and_backward(po
 
 
 def loss_curves(steps: int) -> dict[str, list[float]]:
-    world, rank = dist.get_world_size(), dist.get_rank()
     curves = {}
     for label, quantize in (("fp32", False), ("qwz", True)):
-        torch.manual_seed(0)
-        model = build("gpt")
-        zpp_compile.shard(model, zpp_compile.Config(quantize_weights=quantize, weight_block_size=256))
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        compiled = torch.compile(model, backend="zeropp")
-        losses = []
-        for step in range(steps):
-            x, y = batch("gpt", 4 * world, step)
-            loss = loss_of("gpt", compiled, x.chunk(world)[rank], y.chunk(world)[rank])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        curves[label] = losses
+        curves[label], _ = gpt_loss_curve(zpp_compile.Config(quantize_weights=quantize, weight_block_size=256), steps)
         reset_process_state()
     return curves
 

@@ -8,6 +8,7 @@ from . import ops as _ops  # noqa: F401  (registers the zpp:: custom ops)
 from .backend import BACKEND_NAME, NotShardedError, compiled_graphs, register as _register_backend, zeropp_backend
 from .comm import Collective, CommCounter, comm_counter
 from .config import Config
+from .error_feedback import clear_error_feedback
 from .explain import explain
 from .plan import CommPlan
 from .sharding import full_state_dict, is_sharded, shard
@@ -25,6 +26,7 @@ __all__ = [
     "NotShardedError",
     "Topology",
     "comm_counter",
+    "clear_error_feedback",
     "compiled_graphs",
     "explain",
     "full_state_dict",

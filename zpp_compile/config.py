@@ -8,12 +8,6 @@ from typing import Literal, Optional
 
 Lowering = Literal["inductor", "aot_eager"]
 
-# Features named in the design brief whose graph passes have not landed yet. Turning one on must
-# fail loudly rather than be ignored (DeepCompile silently ignores the ZeRO++ flags).
-_NOT_YET_IMPLEMENTED = {
-    "quantize_gradients": "qgZ (int4 hierarchical all-to-all gradient reduce-scatter)",
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -33,7 +27,13 @@ class Config:
         hpz_quantized_secondary: with hpZ and qwZ (or frozen weights stored int8), keep the
             secondary shard as the int8 payloads the forward gathered, not dequantized: the same
             backward values, 1/4 (fp32) or 1/2 (16-bit) of the saved memory and of the bytes.
-        quantize_gradients: qgZ, int4 hierarchical all-to-all gradient reduce-scatter.
+        quantize_gradients: qgZ, int4 hierarchical all-to-all gradient reduce-scatter (compiled path
+            only): int4 inside the node, re-quantized int4 across nodes, averaged once in fp32.
+        gradient_block_size: elements per int4 block for qgZ (one fp32 scale per block), a
+            multiple of 8.
+        qgz_error_feedback: each rank adds the int4 error of its last send back into the next
+            one (LoCo-style), at both qgZ stages. Costs bf16 state of about one unsharded
+            gradient per rank; off by default (see docs/qgz_convergence.md for the measurement).
         ranks_per_node: ranks per node; None reads torchrun's LOCAL_WORLD_SIZE, else one node.
             Setting it simulates several nodes on one machine.
         save_gathered_weights: keep gathered full weights from forward for backward instead of
@@ -50,6 +50,8 @@ class Config:
     hpz_size: Optional[int] = None
     hpz_quantized_secondary: bool = True
     quantize_gradients: bool = False
+    gradient_block_size: int = 128
+    qgz_error_feedback: bool = False
     ranks_per_node: Optional[int] = None
     save_gathered_weights: bool = False
     lowering: Lowering = "inductor"
@@ -60,13 +62,12 @@ class Config:
         _require_bool(self, "quantize_frozen_weights")
         _require_bool(self, "quantize_gradients")
         _require_bool(self, "hpz_quantized_secondary")
+        _require_bool(self, "qgz_error_feedback")
+        if self.qgz_error_feedback and not self.quantize_gradients:
+            raise ValueError("Config.qgz_error_feedback=True needs quantize_gradients=True (it is part of qgZ).")
         _require_bool(self, "save_gathered_weights")
-        _require_int(self, "weight_block_size", minimum=8)
-        if self.weight_block_size % 8:
-            raise ValueError(
-                f"Config.weight_block_size={self.weight_block_size} must be a multiple of 8 "
-                "so that blocks stay aligned in the communication buffer; try 256."
-            )
+        _require_block_size(self, "weight_block_size", suggestion=256)
+        _require_block_size(self, "gradient_block_size", suggestion=128)
         if self.hpz_size is not None:
             _require_int(self, "hpz_size", minimum=1)
         if self.ranks_per_node is not None:
@@ -89,21 +90,20 @@ class Config:
         """The folder graphs are dumped to: the config's, else $ZPP_DUMP_GRAPHS, else None."""
         return os.fspath(self.dump_graphs_dir) if self.dump_graphs_dir else os.environ.get("ZPP_DUMP_GRAPHS") or None
 
-    def require_implemented(self) -> None:
-        """Raise NotImplementedError for every switched-on feature that has not landed yet."""
-        enabled = {"quantize_gradients": self.quantize_gradients}
-        for field, feature in _NOT_YET_IMPLEMENTED.items():
-            if enabled[field]:
-                raise NotImplementedError(
-                    f"Config.{field} turns on {feature}, which zpp_compile does not implement yet; "
-                    f"leave {field} at its default to train with plain ZeRO-3."
-                )
-
 
 def _require_bool(config: Config, name: str) -> None:
     value = getattr(config, name)
     if not isinstance(value, bool):
         raise TypeError(f"Config.{name} must be True or False, got {value!r}.")
+
+
+def _require_block_size(config: Config, name: str, *, suggestion: int) -> None:
+    _require_int(config, name, minimum=8)
+    if getattr(config, name) % 8:
+        raise ValueError(
+            f"Config.{name}={getattr(config, name)} must be a multiple of 8 "
+            f"so that blocks stay aligned in the communication buffer; try {suggestion}."
+        )
 
 
 def _require_int(config: Config, name: str, *, minimum: int) -> None:

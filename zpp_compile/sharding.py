@@ -63,7 +63,6 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     config = Config() if config is None else config
     if not isinstance(config, Config):
         raise TypeError(f"shard() takes a zpp_compile.Config, got {type(config).__name__}.")
-    config.require_implemented()
     _refuse_resharding(model)
     topology = build_topology(config)
     set_current_topology(topology)

@@ -30,6 +30,9 @@ class Topology:
 
     hpZ: hpz_size consecutive ranks of one node form this rank's secondary-partition group
     (hpz_group_name); hpz_size 1 means hpZ is off and hpz_group_name is None.
+    qgZ: node_group_name holds the ranks of this rank's node (in rank order, so member i is local
+    rank i); cross_node_group_name the ranks with this rank's local index on every node (member
+    i is on node i). Both are None unless a feature needs them; the cross-node one also on one node.
     """
 
     world_size: int
@@ -38,6 +41,8 @@ class Topology:
     world_group_name: str
     hpz_size: int = 1
     hpz_group_name: Optional[str] = None
+    node_group_name: Optional[str] = None
+    cross_node_group_name: Optional[str] = None
 
     @property
     def hpz_rank(self) -> int:
@@ -55,8 +60,12 @@ class Topology:
         return self.node_of(a) == self.node_of(b)
 
 
-def build_topology(config: Config) -> Topology:
-    """Read the layout from Config.ranks_per_node, else torchrun's LOCAL_WORLD_SIZE, else one node."""
+def build_topology(config: Config, *, collective: bool = True) -> Topology:
+    """Read the layout from Config.ranks_per_node, else torchrun's LOCAL_WORLD_SIZE, else one node.
+
+    `collective`: check the layout against every rank's GROUP_RANK and create the hpZ groups
+    (every rank must call it); shard() does, the fallback of current_topology() does not.
+    """
     require_initialized("zpp_compile.shard")
     world = dist.get_world_size()
     ranks_per_node = config.ranks_per_node or _local_world_size_from_env() or world
@@ -67,6 +76,8 @@ def build_topology(config: Config) -> Topology:
             f"{world}, or launch the same --nproc-per-node on every node."
         )
     rank = dist.get_rank()
+    if collective and config.ranks_per_node is None:
+        _check_node_of_rank(ranks_per_node)
     hpz_size = _checked_hpz_size(config, ranks_per_node)
     return Topology(
         world_size=world,
@@ -75,7 +86,26 @@ def build_topology(config: Config) -> Topology:
         world_group_name=dist.group.WORLD.group_name,
         hpz_size=hpz_size,
         hpz_group_name=_hpz_group_name(world, rank, hpz_size),
+        **(_node_group_names(world, rank, ranks_per_node) if collective and config.quantize_gradients else {}),
     )
+
+
+def _check_node_of_rank(ranks_per_node: int) -> None:
+    """Node = rank // ranks_per_node must agree with the launcher's node index (GROUP_RANK).
+
+    Collective (every rank learns every rank's GROUP_RANK), so all ranks raise together
+    instead of the good ones waiting on a collective the bad one never joins.
+    """
+    claimed = [None] * dist.get_world_size()
+    dist.all_gather_object(claimed, os.environ.get("GROUP_RANK"))
+    for r, raw in enumerate(claimed):
+        if raw is not None and raw.isdigit() and int(raw) != r // ranks_per_node:
+            raise ValueError(
+                f"rank {r} runs on node {raw} (GROUP_RANK), but zpp_compile places it on node "
+                f"{r // ranks_per_node} (rank // ranks_per_node={ranks_per_node}): the launcher does not "
+                "number ranks node by node. Launch with torchrun's default rank assignment, or set "
+                "Config(ranks_per_node=...) if you know the layout."
+            )
 
 
 def _checked_hpz_size(config: Config, ranks_per_node: int) -> int:
@@ -101,6 +131,19 @@ def _hpz_group_name(world: int, rank: int, hpz_size: int) -> Optional[str]:
         if rank in ranks:
             mine = group_name
     return mine
+
+
+def _node_group_names(world: int, rank: int, ranks_per_node: int) -> dict[str, Optional[str]]:
+    """Create (once per process) every node group and every cross-node group; return this rank's."""
+    if ranks_per_node == world:
+        return {"node_group_name": dist.group.WORLD.group_name, "cross_node_group_name": None}
+    nodes = range(0, world, ranks_per_node)
+    node_groups = [shared_group(tuple(range(first, first + ranks_per_node))) for first in nodes]
+    cross_groups = [shared_group(tuple(range(local, world, ranks_per_node))) for local in range(ranks_per_node)]
+    return {
+        "node_group_name": node_groups[rank // ranks_per_node],
+        "cross_node_group_name": cross_groups[rank % ranks_per_node],
+    }
 
 
 _GROUPS: dict[tuple[int, ...], Optional[str]] = {}
@@ -149,7 +192,7 @@ def _node_layout(t: Topology) -> tuple:
 def current_topology() -> Topology:
     """The layout shard() used; before any shard(), the whole world as one node."""
     if _CURRENT is None:
-        return build_topology(Config())
+        return build_topology(Config(), collective=False)
     return _CURRENT
 
 

@@ -15,6 +15,7 @@ from .hpz import hpz
 from .lower_gather import lower_gather
 from .lower_quantized_gather import lower_quantized_gather
 from .lower_reduce import lower_reduce
+from .qgz import qgz
 from .qwz import qwz
 from .recompute import check_no_gathered_weight_saved, tag_gathers_for_recompute
 
@@ -30,7 +31,8 @@ PARTITION_PASSES: list[PartitionPass] = [hpz]
 # On the partitioned graphs, before lowering to Inductor.
 # qwz first: it rewrites the forward gathers it quantizes; lower_gather takes whatever is left.
 FORWARD_PASSES: list[GraphPass] = [qwz, lower_gather, lower_quantized_gather]
-BACKWARD_PASSES: list[GraphPass] = [lower_gather, lower_quantized_gather, lower_reduce]
+# qgz before lower_reduce: it rewrites the gradient reductions it quantizes.
+BACKWARD_PASSES: list[GraphPass] = [lower_gather, lower_quantized_gather, qgz, lower_reduce]
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[GraphPass]) -> fx.GraphModule:
@@ -68,6 +70,7 @@ __all__ = [
     "lower_gather",
     "lower_quantized_gather",
     "lower_reduce",
+    "qgz",
     "qwz",
     "run_partition_passes",
     "run_passes",

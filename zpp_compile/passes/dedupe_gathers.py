@@ -6,7 +6,8 @@ Before (Dynamo graph; a tied weight read by two modules, or a weight read twice)
 After:
     w_a = zpp.gather_param(shard, 35, [7, 5], 4, '0')      ... used by linear_1 and linear_2
 
-Frozen weights stored quantized (zpp.gather_quantized_param) are deduplicated the same way.
+Dynamo's graph calls the op packets (torch.ops.zpp.gather_param), AOT's the overloads
+(.default); both are matched. Frozen weights stored quantized (zpp.gather_quantized_param) are deduplicated the same way.
 Runs before AOTAutograd, so the backward also gets one gradient reduce-scatter for the tied
 weight (autograd sums the two uses first) instead of two.
 """
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 def dedupe_gathers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     first_gather: dict[tuple, fx.Node] = {}
     removed = 0
-    for node in calls(gm.graph, *GATHER_MARKERS):
+    for node in calls(gm.graph, *GATHER_MARKERS, *(m.overloadpacket for m in GATHER_MARKERS)):
         key = _gather_key(node)
         if key in first_gather:
             replace_node(node, first_gather[key])

@@ -1,0 +1,96 @@
+"""qgZ convergence: the GPT example trained with and without int4 gradient reduction.
+
+    python benchmarks/qgz_convergence.py [--nproc 4] [--ranks-per-node 2] [--steps 200]
+
+Runs examples/train_gpt.py three times back to back (same seed, same data, simulated nodes):
+Config(), Config(quantize_gradients=True) and the same with qgz_error_feedback=True, and writes
+the loss curves to
+docs/qgz_convergence.md (table every 20 steps, final validation loss, bytes per step) and, when
+matplotlib is installed, docs/qgz_convergence.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = {"fp32 reduce-scatter": [], "qgZ (int4 all-to-all)": ["--qgz"], "qgZ + error feedback": ["--qgz-ef"]}
+MODES = {"fp32 reduce-scatter": "compiled-inductor", "qgZ (int4 all-to-all)": "compiled-inductor+qgz",
+         "qgZ + error feedback": "compiled-inductor+qgz-ef"}  # fmt: skip
+
+
+def train(label: str, args: argparse.Namespace, out_dir: str) -> tuple[dict, list[float]]:
+    flags, mode = RUNS[label], MODES[label]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           str(ROOT / "examples" / "train_gpt.py"), "--steps", str(args.steps), "--out-dir", out_dir,
+           "--ranks-per-node", str(args.ranks_per_node), *flags]  # fmt: skip
+    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+    summary = json.loads((Path(out_dir) / f"train_gpt_{mode}.json").read_text())
+    with open(Path(out_dir) / f"train_gpt_{mode}.csv") as f:
+        losses = [float(row["loss"]) for row in csv.DictReader(f)]
+    return summary, losses
+
+
+def plot(curves: dict[str, list[float]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (world mean)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--steps", type=int, default=200)
+    args = p.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as out:
+        for label in RUNS:
+            results[label] = train(label, args, out)
+    labels = list(results)
+    lines = [
+        f"`python benchmarks/qgz_convergence.py --nproc {args.nproc} --ranks-per-node {args.ranks_per_node} "
+        f"--steps {args.steps}` (GPT {results[labels[0]][0]['params'] / 1e6:.2f}M params, "
+        f"{args.nproc // args.ranks_per_node} simulated nodes x {args.ranks_per_node}, gloo, CPU)",
+        "",
+        "| step | " + " | ".join(labels) + " | " + " | ".join(f"gap, {label}" for label in labels[1:]) + " |",
+        "| --- | " + " | ".join("---" for _ in labels) + " | " + " | ".join("---" for _ in labels[1:]) + " |",
+    ]
+    curves = {label: losses for label, (_, losses) in results.items()}
+    for step in [1, *range(20, args.steps + 1, 20)]:
+        row = [curves[label][step - 1] for label in labels]
+        gaps = [f"{(v - row[0]) / row[0]:+.2%}" for v in row[1:]]
+        lines.append(f"| {step} | " + " | ".join(f"{v:.4f}" for v in row) + " | " + " | ".join(gaps) + " |")
+    lines += ["", "| run | validation loss | sent MB/rank/step | median step ms |", "| --- | --- | --- | --- |"]
+    for label, (summary, _) in results.items():
+        lines.append(f"| {label} | {summary['val_loss']:.4f} | {summary['sent_mb_per_rank_step']:.2f} | "
+                     f"{summary['median_step_ms']:.0f} |")
+    if plot(curves, ROOT / "docs" / "qgz_convergence.png"):
+        lines += ["", "![loss curves](qgz_convergence.png)"]
+    text = "\n".join(lines)
+    print(text)
+    (ROOT / "docs" / "qgz_convergence.md").write_text("# qgZ convergence\n\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Symmetric per-block int4 quantization for qgZ's gradient all-to-alls (plain torch ops).
+
+Like quantize.py, this is the reference and the CPU path: the qgZ pass traces it into the backward
+graph, where Inductor generates C++/OpenMP kernels for it.
+
+Values are quantized to q in [-7, 7] with one fp32 scale (absmax / 7) per block of `block`
+elements and stored as q + 8 in four bits, two per byte (element 2i in the low nibble, 2i+1 in the
+high one). One chunk's payload is
+    [ packed: n_blocks * block / 2 uint8 | scales: n_blocks float32, bit-cast to uint8 ]
+so `block` must be a multiple of 8 (scales stay 4-byte aligned). Special values follow the int8
+code: an all-zero block has scale 0 and gives zeros; a block with inf or nan gets a nan scale.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+QMAX = 7
+OFFSET = 8
+
+
+def chunk_payload_numel(chunk_numel: int, block: int) -> int:
+    """Bytes of one chunk of `chunk_numel` values (a multiple of block) once packed."""
+    n_blocks = chunk_numel // block
+    return chunk_numel // 2 + 4 * n_blocks
+
+
+def quantize_int4_chunks(chunks: Tensor, block: int) -> Tensor:
+    """[..., chunk] float (chunk a multiple of block) -> [..., payload] uint8, one payload per chunk."""
+    lead, chunk = chunks.shape[:-1], chunks.shape[-1]
+    blocks = chunks.float().reshape(*lead, chunk // block, block)
+    absmax = blocks.abs().amax(dim=-1)
+    scale = absmax / QMAX
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scaled = blocks / divisor.unsqueeze(-1)
+    scaled = torch.where(scaled != scaled, 0.0, scaled)
+    q = (torch.clamp(torch.round(scaled), -QMAX, QMAX) + OFFSET).to(torch.uint8).reshape(*lead, chunk // 2, 2)
+    packed = q[..., 0] | (q[..., 1] << 4)
+    scale = torch.where(torch.isfinite(absmax), scale, torch.full_like(scale, float("nan")))
+    return torch.cat([packed, scale.view(torch.uint8).reshape(*lead, -1)], dim=-1)
+
+
+def dequantize_int4_chunks(payloads: Tensor, chunk: int, block: int) -> Tensor:
+    """[..., payload] uint8 -> [..., chunk] float32."""
+    lead = payloads.shape[:-1]
+    packed, scales = payloads[..., : chunk // 2], payloads[..., chunk // 2 :]
+    low = (packed & 0xF).to(torch.float32) - OFFSET
+    high = (packed >> 4).to(torch.float32) - OFFSET
+    q = torch.stack([low, high], dim=-1).reshape(*lead, chunk // block, block)
+    scale = scales.contiguous().view(torch.float32).reshape(*lead, chunk // block, 1)
+    return (q * scale).reshape(*lead, chunk)
