@@ -47,6 +47,20 @@ class BrokenMLP(nn.Module):
         return self.fc2(h) * self.scale
 
 
+class NoGradNormMLP(nn.Module):
+    """Reads fc.weight once under no_grad (a norm for logging) and once for real: the two gathers
+    must not be merged, or fc.weight loses its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(13, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            norm = self.fc.weight.norm()
+        return self.fc(x) / (1 + norm)
+
+
 class CheckpointedMLP(nn.Module):
     """OddMLP under activation checkpointing: the backward recomputes the forward, gathers included."""
 
@@ -59,7 +73,13 @@ class CheckpointedMLP(nn.Module):
 
 
 def build(name: str) -> nn.Module:
-    models = {"mlp": OddMLP, "broken_mlp": BrokenMLP, "ckpt_mlp": CheckpointedMLP, "gpt": lambda: GPT(TINY_GPT)}
+    models = {
+        "mlp": OddMLP,
+        "broken_mlp": BrokenMLP,
+        "ckpt_mlp": CheckpointedMLP,
+        "no_grad_mlp": NoGradNormMLP,
+        "gpt": lambda: GPT(TINY_GPT),
+    }
     return models[name]()
 
 

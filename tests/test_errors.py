@@ -87,9 +87,10 @@ def misfit_ranks_per_node() -> None:
     zpp_compile.shard(OddMLP(), zpp_compile.Config(ranks_per_node=3))
 
 
-def launcher_numbers_ranks_across_nodes() -> None:
+def shard_under_launcher_env(per_rank_env: list[dict[str, str]]) -> None:
+    """shard() with this rank's LOCAL_WORLD_SIZE / GROUP_RANK set as a (faulty) launcher would."""
     saved = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "GROUP_RANK")}
-    os.environ.update(LOCAL_WORLD_SIZE="1", GROUP_RANK="0")  # rank 1 claims node 0: not rank // 1
+    os.environ.update(per_rank_env[torch.distributed.get_rank()])
     try:
         zpp_compile.shard(OddMLP())
     finally:
@@ -98,6 +99,12 @@ def launcher_numbers_ranks_across_nodes() -> None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# Rank 1 claims node 0 although rank // LOCAL_WORLD_SIZE puts it on node 1.
+RANKS_NOT_NODE_BY_NODE = [{"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}] * 2
+# The two ranks disagree on how many ranks a node holds.
+UNEVEN_NODES = [{"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}, {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}]
 
 
 def hpz_size_not_dividing_the_node() -> None:
@@ -111,7 +118,8 @@ def hpz_size_not_dividing_the_node() -> None:
         (1, shard_twice, (), "shard\\(\\) was already called on this model"),
         (1, shard_submodule_then_root, (), "already a zpp_compile shard"),
         (4, misfit_ranks_per_node, (), "world size 4 is not a multiple of ranks_per_node=3"),
-        (2, launcher_numbers_ranks_across_nodes, (), "rank 1 runs on node 0 \\(GROUP_RANK\\)"),
+        (2, shard_under_launcher_env, (RANKS_NOT_NODE_BY_NODE,), "rank 1 runs on node 0 \\(GROUP_RANK\\)"),
+        (2, shard_under_launcher_env, (UNEVEN_NODES,), "LOCAL_WORLD_SIZE differs between ranks"),
         (4, hpz_size_not_dividing_the_node, (), "hpz_size=4 must divide the ranks of a node \\(ranks_per_node=2\\)"),
     ],
 )

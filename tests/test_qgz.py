@@ -75,7 +75,7 @@ def max_excess_over_bound(ranks_per_node: int, dtype: torch.dtype) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("world,ranks_per_node", [(4, 2), (8, 4), (4, 4)], ids=["2x2", "2x4", "1x4"])
+@pytest.mark.parametrize("world,ranks_per_node", [(4, 2), (8, 4), (4, 4), (4, 1)], ids=["2x2", "2x4", "1x4", "4x1"])
 def test_reduced_shard_is_the_exact_average_within_the_int4_bound(pools, world, ranks_per_node, dtype):
     excess = pools(world).run(max_excess_over_bound, ranks_per_node, dtype)
     assert max(excess) <= 0, excess

@@ -107,6 +107,11 @@ def test_graph_breaks_and_a_parameter_used_in_two_graphs(pools, mode):
     _assert_close(pools(2).run(train_vs_reference, "broken_mlp", mode, 3))
 
 
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
+def test_a_weight_also_read_under_no_grad_keeps_its_gradient(pools, mode):
+    _assert_close(pools(2).run(train_vs_reference, "no_grad_mlp", mode, 3))
+
+
 @pytest.mark.parametrize("mode", ["eager", "inductor"])
 def test_frozen_weights_stored_as_int8_train_like_their_dequantized_values(pools, mode):
     # OddMLP's frozen 29x29 layer sits between two trainable ones, so its weight is needed in

@@ -8,7 +8,13 @@ persistent tensors. Two custom ops reach it, each opaque to Inductor:
 The qgz pass adds `done` to the reduced gradient, so the store is never dead code, and the load
 feeds the store, so they run in order. Errors are kept in bfloat16: the state is about the size
 of one unsharded gradient copy per rank (2 bytes x parameters x (1 + 1/ranks_per_node)), half of
-what fp32 would take. A recompiled graph gets fresh slots, so its error starts at zero.
+what fp32 would take.
+
+Slots belong to a compiled graph, not to a parameter: a recompiled graph gets fresh slots (its
+error starts at zero; the old graph's state stays until clear_error_feedback()), and a graph that
+Dynamo reuses for several modules in one backward is refused (SharedErrorSlotError). Errors are
+stored in the units of the gradient: with a loss scaler, a scale change makes the carried error
+off by that factor for one step.
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ from torch import Tensor
 STATE_DTYPE = torch.bfloat16
 
 _ERRORS: dict[int, Tensor] = {}
+_STORED_IN: dict[int, int] = {}  # slot -> the autograd graph task (one backward call) that stored it
 _SLOTS = itertools.count()
+
+
+class SharedErrorSlotError(RuntimeError):
+    pass
 
 
 def new_slot() -> int:
@@ -32,6 +43,7 @@ def new_slot() -> int:
 def clear_error_feedback() -> None:
     """Drop every stored error (e.g. after loading a checkpoint, or between unrelated runs)."""
     _ERRORS.clear()
+    _STORED_IN.clear()
 
 
 def stored_error_bytes() -> int:
@@ -53,8 +65,25 @@ def _(like: Tensor, slot: int) -> Tensor:
 
 @torch.library.custom_op("zpp::ef_store", mutates_args=())
 def ef_store(residual: Tensor, slot: int) -> Tensor:
-    _ERRORS[slot] = residual.detach().to(STATE_DTYPE, copy=True)
+    _refuse_sharing(slot)
+    # A non-finite residual (an inf/nan gradient, e.g. a GradScaler overflow step) is dropped:
+    # fed back, it would make every later step of that block nan.
+    residual = torch.where(torch.isfinite(residual), residual, torch.zeros_like(residual))
+    _ERRORS[slot] = residual.detach().to(STATE_DTYPE)
     return residual.new_zeros(())
+
+
+def _refuse_sharing(slot: int) -> None:
+    """One compiled graph serving several modules (per-layer compile, a graph break inside a
+    repeated block) would run one slot for several parameters in one backward: refuse it."""
+    task = torch._C._current_graph_task_id()
+    if task != -1 and _STORED_IN.get(slot) == task:
+        raise SharedErrorSlotError(
+            "qgZ error feedback: one compiled graph reduced the gradients of several modules in one "
+            "backward, so they would share error state. Compile the whole model once (no per-layer "
+            "torch.compile, no graph break inside a repeated block), or set qgz_error_feedback=False."
+        )
+    _STORED_IN[slot] = task
 
 
 @ef_store.register_fake

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Optional
 
 import torch.distributed as dist
@@ -63,22 +64,24 @@ class Topology:
 def build_topology(config: Config, *, collective: bool = True) -> Topology:
     """Read the layout from Config.ranks_per_node, else torchrun's LOCAL_WORLD_SIZE, else one node.
 
-    `collective`: check the layout against every rank's GROUP_RANK and create the hpZ groups
-    (every rank must call it); shard() does, the fallback of current_topology() does not.
+    `collective`: gather every rank's launcher variables first, so that every check below fails
+    on all ranks together instead of leaving some waiting on a collective, and create the
+    process groups; shard() does this (every rank must call it), current_topology()'s fallback not.
     """
     require_initialized("zpp_compile.shard")
     world = dist.get_world_size()
-    ranks_per_node = config.ranks_per_node or _local_world_size_from_env() or world
+    launch = _launcher_layout() if collective and config.ranks_per_node is None else None
+    ranks_per_node = config.ranks_per_node or _local_world_size(launch) or world
     if world % ranks_per_node:
         raise ValueError(
             f"world size {world} is not a multiple of ranks_per_node={ranks_per_node}: every node "
             "must hold the same number of ranks. Set Config(ranks_per_node=...) to a divisor of "
             f"{world}, or launch the same --nproc-per-node on every node."
         )
+    if launch is not None:
+        _check_node_of_rank(launch, ranks_per_node)
     rank = dist.get_rank()
-    if collective and config.ranks_per_node is None:
-        _check_node_of_rank(ranks_per_node)
-    hpz_size = _checked_hpz_size(config, ranks_per_node)
+    hpz_size = _checked_hpz_size(config, ranks_per_node, world)
     return Topology(
         world_size=world,
         rank=rank,
@@ -90,15 +93,30 @@ def build_topology(config: Config, *, collective: bool = True) -> Topology:
     )
 
 
-def _check_node_of_rank(ranks_per_node: int) -> None:
-    """Node = rank // ranks_per_node must agree with the launcher's node index (GROUP_RANK).
+def _launcher_layout() -> list[tuple[Optional[str], Optional[str]]]:
+    """(LOCAL_WORLD_SIZE, GROUP_RANK) of every rank, as the launcher set them (collective)."""
+    layout: list = [None] * dist.get_world_size()
+    dist.all_gather_object(layout, (os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("GROUP_RANK")))
+    return layout
 
-    Collective (every rank learns every rank's GROUP_RANK), so all ranks raise together
-    instead of the good ones waiting on a collective the bad one never joins.
-    """
-    claimed = [None] * dist.get_world_size()
-    dist.all_gather_object(claimed, os.environ.get("GROUP_RANK"))
-    for r, raw in enumerate(claimed):
+
+def _local_world_size(launch: Optional[list]) -> Optional[int]:
+    if launch is None:
+        return _local_world_size_from_env()
+    sizes = {raw for raw, _ in launch}
+    if len(sizes) > 1:
+        per_rank = ", ".join(f"rank {r}: {raw}" for r, (raw, _) in enumerate(launch))
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE differs between ranks ({per_rank}): zpp_compile needs the same number "
+            "of ranks on every node. Launch the same --nproc-per-node everywhere, or set "
+            "Config(ranks_per_node=...)."
+        )
+    return _local_world_size_from_env()
+
+
+def _check_node_of_rank(launch: list, ranks_per_node: int) -> None:
+    """Node = rank // ranks_per_node must agree with the launcher's node index (GROUP_RANK)."""
+    for r, (_, raw) in enumerate(launch):
         if raw is not None and raw.isdigit() and int(raw) != r // ranks_per_node:
             raise ValueError(
                 f"rank {r} runs on node {raw} (GROUP_RANK), but zpp_compile places it on node "
@@ -108,9 +126,16 @@ def _check_node_of_rank(ranks_per_node: int) -> None:
             )
 
 
-def _checked_hpz_size(config: Config, ranks_per_node: int) -> int:
+def _checked_hpz_size(config: Config, ranks_per_node: int, world: int) -> int:
     if not config.hpz_enabled:
         return 1
+    if ranks_per_node == world:
+        warnings.warn(
+            f"Config.hpz_size={config.hpz_size} on a single node: hpZ keeps extra secondary shards but "
+            "there is no inter-node traffic for it to save. Set ranks_per_node (or launch on several "
+            "nodes), or leave hpz_size unset.",
+            stacklevel=3,
+        )
     if ranks_per_node % config.hpz_size:
         raise ValueError(
             f"Config.hpz_size={config.hpz_size} must divide the ranks of a node (ranks_per_node="
@@ -197,6 +222,18 @@ def current_topology() -> Topology:
 
 
 def forget_current_topology() -> None:
-    """For tests and re-initialised process groups: the next shard() sets the layout afresh."""
+    """For tests and re-initialised process groups: the next shard() sets the layout afresh.
+
+    After destroy_process_group() also call forget_process_groups(): group names are reused.
+    """
     global _CURRENT
     _CURRENT = None
+
+
+def forget_process_groups() -> None:
+    """Drop the cached sub-groups (after destroy_process_group(), before a new init)."""
+    from .comm import forget_group_ranks
+
+    _GROUPS.clear()
+    forget_group_ranks()
+    forget_current_topology()

@@ -56,7 +56,7 @@ def _quantize_pack_kernel(
     x = tl.load(x_ptr + offsets, mask=in_block & (offsets < numel), other=0.0).to(tl.float32)
     absmax = tl.max(tl.abs(x), axis=1)
     has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    scale = absmax / QMAX
+    scale = tl.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))  # IEEE, as torch: `/` is approximate on GPU
     divisor = tl.where((scale > 0) & ~has_nan, scale, 1.0)  # as quantize.py: nan blocks divide by 1
     scaled = tl.div_rn(x, divisor[:, None])
     scaled = tl.where(scaled != scaled, 0.0, scaled)

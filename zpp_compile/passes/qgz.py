@@ -9,7 +9,8 @@ After:   (traced from qgz_reduce_scatter; L ranks per node, N nodes, W = N * L, 
          part = sum(dequant(recv), over local ranks)            [N, S]: node sums of the shards of n*L + l
          recv2 = all_to_all(int4(part), cross-node group)       rank l of node n gets its shard from every node
          g = sum(dequant(recv2), over nodes) / W                fp32, then the gradient's dtype
-With one node the second stage disappears (part is already the world sum). Inter-node traffic
+With one node the second stage disappears (part is already the world sum); with one rank per
+node the first does (part is this rank's own gradient, not quantized twice). Inter-node traffic
 is int4: S/2 bytes + one fp32 scale per block, per peer node, against 4*S for an fp32
 reduce-scatter. The average is taken once, at the end, in fp32 (bf16/fp16 gradients are read as
 what they are, not reinterpreted).
@@ -71,10 +72,14 @@ def qgz_reduce_scatter(
     flat = F.pad(grad.reshape(-1).float(), (0, world * shard - numel))
     shards = F.pad(flat.view(nodes, local, shard), (0, chunk - shard))
     slots = error_slots or (None, None)
-    # Swizzle: local rank l receives, for every node n, the shard that rank n*L + l will own.
-    payload, stored = _quantize(shards.transpose(0, 1), block, chunk, slots[0])  # [L, N, P]
-    received = _all_to_all(payload, local, topology.node_group_name).view(local, nodes, -1)
-    partial = dequantize_int4_chunks(received, chunk, block).sum(dim=0)  # [N, chunk]: node sums
+    stored = shards.new_zeros(())
+    if local == 1:  # one rank per node: nothing to sum inside the node, no first int4 round trip
+        partial = shards.view(nodes, chunk)
+    else:
+        # Swizzle: local rank l receives, for every node n, the shard that rank n*L + l will own.
+        payload, stored = _quantize(shards.transpose(0, 1), block, chunk, slots[0])  # [L, N, P]
+        received = _all_to_all(payload, local, topology.node_group_name).view(local, nodes, -1)
+        partial = dequantize_int4_chunks(received, chunk, block).sum(dim=0)  # [N, chunk]: node sums
     if nodes > 1:
         payload, stored_2 = _quantize(partial, block, chunk, slots[1])  # [N, P]: for the inter-node stage
         stored = stored + stored_2
