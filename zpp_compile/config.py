@@ -30,7 +30,7 @@ class Config:
         quantize_gradients: qgZ, int4 hierarchical all-to-all gradient reduce-scatter (compiled path
             only): int4 inside the node, re-quantized int4 across nodes, averaged once in fp32.
         gradient_block_size: elements per int4 block for qgZ (one fp32 scale per block), a
-            multiple of 8.
+            multiple of 8; 128 by measurement (docs/qgz_block_size.md).
         qgz_error_feedback: each rank adds the int4 error of its last send back into the next
             one (LoCo-style), at both qgZ stages. Costs bf16 state of about one unsharded
             gradient per rank; off by default (see docs/qgz_convergence.md for the measurement).
