@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+import zpp_compile
 from examples.gpt import GPT, GPTConfig
 from zpp_compile.codegen.quantize import dequantize_int8_blocks, quantize_int8_blocks
 from zpp_compile.sharding import ShardSpec, local_shard
@@ -107,13 +109,9 @@ def quantize_dequantize_per_shard(full: torch.Tensor, spec: ShardSpec, block: in
     return torch.cat(pieces)[: spec.numel].view(full.shape)
 
 
-def gpt_loss_curve(config: "zpp_compile.Config", steps: int, lr: float = 3e-3) -> tuple[list[float], nn.Module]:
+def gpt_loss_curve(config: zpp_compile.Config, steps: int, lr: float = 3e-3) -> tuple[list[float], nn.Module]:
     """Train the tiny GPT sharded with `config`, compiled, for `steps` AdamW steps on this rank's
     slice of the global batches; return the losses and the (sharded) model."""
-    import torch.distributed as dist
-
-    import zpp_compile
-
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = zpp_compile.shard(build("gpt"), config)

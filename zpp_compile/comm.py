@@ -70,11 +70,6 @@ def group_ranks(group_name: str) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(_resolve_process_group(group_name)))
 
 
-def forget_group_ranks() -> None:
-    """Group names are reused after destroy_process_group(): drop what group_ranks() cached."""
-    group_ranks.cache_clear()
-
-
 class CommCounter:
     """Bytes sent and received by this rank, by phase, collective and locality.
 

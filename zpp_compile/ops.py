@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import comm
-from .codegen.quantize import dequantize_packed, payload_numel
+from .codegen.quantize import weight_from_payloads
 from .topology import current_topology
 
 # torch 2.13 renamed the flat-tensor collectives; keep torch >= 2.11 working.
@@ -29,10 +29,7 @@ def padded_numel(numel: int, group_size: int) -> int:
 @torch.library.custom_op("zpp::gather_param", mutates_args=())
 def gather_param(shard: Tensor, numel: int, shape: list[int], group_size: int, group_name: str) -> Tensor:
     """All-gather the flat shards of one parameter and return the full, unpadded weight."""
-    out = shard.new_empty(shard.numel() * group_size)
-    _all_gather(out, shard.contiguous(), group=_resolve_process_group(group_name))
-    _record_eager("all_gather", "forward", group_name, shard)
-    return out[:numel].view(shape)
+    return _eager_all_gather(shard, group_size, group_name)[:numel].view(shape)
 
 
 @gather_param.register_fake
@@ -57,11 +54,8 @@ def gather_quantized_param(
     int8 secondary shard holds world/hpz_size of them). Used for frozen weights stored quantized
     (Config.quantize_frozen_weights) and for hpZ's backward gather under qwZ.
     """
-    out = payload.new_empty(payload.numel() * group_size)
-    _all_gather(out, payload.contiguous(), group=_resolve_process_group(group_name))
-    _record_eager("all_gather", "forward", group_name, payload)
-    n_payloads = out.numel() // payload_numel(shard_numel, block)
-    return dequantize_packed(out, n_payloads, shard_numel, block, dtype)[:numel].view(shape)
+    gathered = _eager_all_gather(payload, group_size, group_name)
+    return weight_from_payloads(gathered, numel, shape, shard_numel, block, dtype)
 
 
 @gather_quantized_param.register_fake
@@ -103,6 +97,13 @@ def owned_copy(x: Tensor) -> Tensor:
 @owned_copy.register_fake
 def _(x: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _eager_all_gather(shard: Tensor, group_size: int, group_name: str) -> Tensor:
+    out = shard.new_empty(shard.numel() * group_size)
+    _all_gather(out, shard.contiguous(), group=_resolve_process_group(group_name))
+    _record_eager("all_gather", "forward", group_name, shard)
+    return out
 
 
 def pad_flat(flat: Tensor, target_numel: int) -> Tensor:

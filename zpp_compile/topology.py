@@ -101,8 +101,9 @@ def _launcher_layout() -> list[tuple[Optional[str], Optional[str]]]:
 
 
 def _local_world_size(launch: Optional[list]) -> Optional[int]:
+    """LOCAL_WORLD_SIZE: the value every rank agrees on (collective path) or this rank's own."""
     if launch is None:
-        return _local_world_size_from_env()
+        return _parse_local_world_size(os.environ.get("LOCAL_WORLD_SIZE"))
     sizes = {raw for raw, _ in launch}
     if len(sizes) > 1:
         per_rank = ", ".join(f"rank {r}: {raw}" for r, (raw, _) in enumerate(launch))
@@ -111,7 +112,7 @@ def _local_world_size(launch: Optional[list]) -> Optional[int]:
             "of ranks on every node. Launch the same --nproc-per-node everywhere, or set "
             "Config(ranks_per_node=...)."
         )
-    return _local_world_size_from_env()
+    return _parse_local_world_size(sizes.pop())
 
 
 def _check_node_of_rank(launch: list, ranks_per_node: int) -> None:
@@ -178,6 +179,8 @@ def shared_group(ranks: tuple[int, ...]) -> Optional[str]:
     """The name of the process group of `ranks` (None on ranks outside it), created on first use.
 
     Collective on first use: every rank of the world must ask for the same groups in the same order.
+    The cache lives as long as the process: destroying and re-initialising the default process
+    group in one process is not supported (group names would be reused).
     """
     if ranks not in _GROUPS:
         group = dist.new_group(list(ranks))
@@ -185,8 +188,7 @@ def shared_group(ranks: tuple[int, ...]) -> Optional[str]:
     return _GROUPS[ranks]
 
 
-def _local_world_size_from_env() -> int | None:
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
+def _parse_local_world_size(raw: Optional[str]) -> Optional[int]:
     if not raw:
         return None
     try:
@@ -222,18 +224,6 @@ def current_topology() -> Topology:
 
 
 def forget_current_topology() -> None:
-    """For tests and re-initialised process groups: the next shard() sets the layout afresh.
-
-    After destroy_process_group() also call forget_process_groups(): group names are reused.
-    """
+    """For tests and re-initialised process groups: the next shard() sets the layout afresh."""
     global _CURRENT
     _CURRENT = None
-
-
-def forget_process_groups() -> None:
-    """Drop the cached sub-groups (after destroy_process_group(), before a new init)."""
-    from .comm import forget_group_ranks
-
-    _GROUPS.clear()
-    forget_group_ranks()
-    forget_current_topology()

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 

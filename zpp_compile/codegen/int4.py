@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .quantize import round_symmetric
+
 QMAX = 7
 OFFSET = 8
 
@@ -29,15 +31,9 @@ def chunk_payload_numel(chunk_numel: int, block: int) -> int:
 def quantize_int4_chunks(chunks: Tensor, block: int) -> Tensor:
     """[..., chunk] float (chunk a multiple of block) -> [..., payload] uint8, one payload per chunk."""
     lead, chunk = chunks.shape[:-1], chunks.shape[-1]
-    blocks = chunks.float().reshape(*lead, chunk // block, block)
-    absmax = blocks.abs().amax(dim=-1)
-    scale = absmax / QMAX
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scaled = blocks / divisor.unsqueeze(-1)
-    scaled = torch.where(scaled != scaled, 0.0, scaled)
-    q = (torch.clamp(torch.round(scaled), -QMAX, QMAX) + OFFSET).to(torch.uint8).reshape(*lead, chunk // 2, 2)
+    q, scale = round_symmetric(chunks.float().reshape(*lead, chunk // block, block), QMAX)
+    q = (q + OFFSET).to(torch.uint8).reshape(*lead, chunk // 2, 2)
     packed = q[..., 0] | (q[..., 1] << 4)
-    scale = torch.where(torch.isfinite(absmax), scale, torch.full_like(scale, float("nan")))
     return torch.cat([packed, scale.view(torch.uint8).reshape(*lead, -1)], dim=-1)
 
 

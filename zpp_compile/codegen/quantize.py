@@ -22,6 +22,8 @@ Special values, by design:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -44,13 +46,21 @@ def quantize_int8_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """x (any float dtype, any shape) -> (q int8 [n_blocks, block], scale float32 [n_blocks])."""
     flat = x.reshape(-1).float()
     nb = num_blocks(flat.numel(), block)
-    blocks = F.pad(flat, (0, nb * block - flat.numel())).view(nb, block)
-    absmax = blocks.abs().amax(dim=1)  # nan propagates, inf stays inf
-    scale = absmax / QMAX
+    q, scale = round_symmetric(F.pad(flat, (0, nb * block - flat.numel())).view(nb, block), QMAX)
+    return q.to(torch.int8), scale
+
+
+def round_symmetric(blocks: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
+    """[..., block] float32 -> (q in [-qmax, qmax] as float32 [..., block], scale [...]).
+
+    Shared by int8 (qwZ) and int4 (qgZ); the special values of the module docstring live here.
+    """
+    absmax = blocks.abs().amax(dim=-1)  # nan propagates, inf stays inf
+    scale = absmax / qmax
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # zero (or nan) blocks: divide by 1
-    scaled = blocks / divisor[:, None]
+    scaled = blocks / divisor.unsqueeze(-1)
     scaled = torch.where(scaled != scaled, 0.0, scaled)  # nan -> 0 (not nan_to_num: its isnan is not vectorized)
-    q = torch.clamp(torch.round(scaled), -QMAX, QMAX).to(torch.int8)  # +-inf -> +-127
+    q = torch.clamp(torch.round(scaled), -qmax, qmax)  # +-inf -> +-qmax
     scale = torch.where(torch.isfinite(absmax), scale, torch.full_like(scale, float("nan")))
     return q, scale
 
@@ -91,3 +101,16 @@ def dequantize_packed(
     i = torch.arange(group_size * shard_numel, device=values.device)
     return values[(i // shard_numel) * (nb * block) + i % shard_numel]  # see the module docstring
 
+
+def weight_from_payloads(
+    gathered: Tensor,
+    numel: int,
+    shape: list[int],
+    shard_numel: int,
+    block: int,
+    dtype: torch.dtype,
+    dequantize: Callable[[Tensor, int, int, int, torch.dtype], Tensor] = dequantize_packed,
+) -> Tensor:
+    """Gathered payloads (each for `shard_numel` values) -> the full weight: unpadded, shaped."""
+    n_payloads = gathered.numel() // payload_numel(shard_numel, block)
+    return dequantize(gathered, n_payloads, shard_numel, block, dtype)[:numel].view(shape)

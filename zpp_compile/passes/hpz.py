@@ -27,18 +27,16 @@ stale-copy and race bugs exactly there). The backward gather never leaves the no
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 import torch.fx as fx
 
 from ..codegen.quantize import payload_numel
-from ..codegen.registry import quant_kernels
 from ..ops import padded_numel
 from .context import PassContext
-from .graph_utils import GATHER_MARKERS, aten, calls, finish, inline_traced, insert_call, replace_node
-from .qwz import gather_and_dequantize, quantized_all_gather
+from .graph_utils import GATHER_MARKERS, aten, calls, finish, insert_call, replace_node
+from .qwz import inline_int8_gather
 
 log = logging.getLogger(__name__)
 
@@ -98,28 +96,13 @@ def _full_precision_secondary(graph: fx.Graph, marker: fx.Node, ctx: PassContext
 
 def _int8_secondary(graph: fx.Graph, marker: fx.Node, ctx: PassContext) -> tuple[fx.Node, tuple]:
     """Inline the int8 gather here, keep this rank's slice of the gathered payloads."""
-    source = marker.args[0]
-    kernels = quant_kernels(source.meta["val"].device)
-    if marker.target == torch.ops.zpp.gather_param.default:
-        _, numel, shape, group_size, group_name = marker.args
-        block, dtype, shard_numel = ctx.config.weight_block_size, source.meta["val"].dtype, source.meta["val"].numel()
-        fn = functools.partial(
-            quantized_all_gather,
-            numel=numel, shape=list(shape), group_size=group_size, group_name=group_name, block=block, kernels=kernels,
-        )  # fmt: skip
-    else:
-        _, numel, shape, shard_numel, block, dtype, group_size, group_name = marker.args
-        fn = functools.partial(
-            gather_and_dequantize,
-            numel=numel, shape=list(shape), shard_numel=shard_numel, block=block, dtype=dtype,
-            group_size=group_size, group_name=group_name, kernels=kernels,
-        )  # fmt: skip
-    weight, gathered = inline_traced(graph, fn, [source], ctx.decompositions)
+    group_size = marker.args[-2]
+    weight, gathered, layout = inline_int8_gather(graph, marker, ctx.config.weight_block_size, ctx.decompositions)
     replace_node(marker, weight)
     secondary = _own_slice(graph, gathered, gathered.meta["val"].numel() // ctx.topology.hpz_size, ctx)
+    _, _, shard_numel, block, _ = layout
     assert secondary.meta["val"].numel() == group_size // ctx.topology.hpz_size * payload_numel(shard_numel, block)
-    topology = ctx.topology
-    args = (numel, shape, shard_numel, block, dtype, topology.hpz_size, topology.hpz_group_name)
+    args = (*layout, ctx.topology.hpz_size, ctx.topology.hpz_group_name)
     return secondary, (torch.ops.zpp.gather_quantized_param.default, args)
 
 

@@ -14,10 +14,9 @@ import functools
 import torch
 import torch.fx as fx
 
-from ..codegen.registry import quant_kernels
 from .context import PassContext
-from .graph_utils import inline_traced, rewrite_calls
-from .qwz import gather_and_dequantize
+from .graph_utils import rewrite_calls
+from .qwz import inline_int8_gather
 
 
 def lower_quantized_gather(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -27,17 +26,5 @@ def lower_quantized_gather(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
 
 
 def _dequantizing_gather(graph: fx.Graph, marker: fx.Node, *, decompositions: dict) -> fx.Node:
-    payload, numel, shape, shard_numel, block, dtype, group_size, group_name = marker.args
-    fn = functools.partial(
-        gather_and_dequantize,
-        numel=numel,
-        shape=list(shape),
-        shard_numel=shard_numel,
-        block=block,
-        dtype=dtype,
-        group_size=group_size,
-        group_name=group_name,
-        kernels=quant_kernels(payload.meta["val"].device),
-    )
-    weight, _ = inline_traced(graph, fn, [payload], decompositions)
+    weight, _, _ = inline_int8_gather(graph, marker, marker.args[4], decompositions)
     return weight

@@ -72,32 +72,31 @@ def qgz_reduce_scatter(
     flat = F.pad(grad.reshape(-1).float(), (0, world * shard - numel))
     shards = F.pad(flat.view(nodes, local, shard), (0, chunk - shard))
     slots = error_slots or (None, None)
-    stored = shards.new_zeros(())
+    stores: list[Tensor] = []  # error-feedback stores: 0-dim zeros that keep them live
     if local == 1:  # one rank per node: nothing to sum inside the node, no first int4 round trip
         partial = shards.view(nodes, chunk)
     else:
         # Swizzle: local rank l receives, for every node n, the shard that rank n*L + l will own.
-        payload, stored = _quantize(shards.transpose(0, 1), block, chunk, slots[0])  # [L, N, P]
+        payload = _quantize(shards.transpose(0, 1), block, chunk, slots[0], stores)  # [L, N, P]
         received = _all_to_all(payload, local, topology.node_group_name).view(local, nodes, -1)
         partial = dequantize_int4_chunks(received, chunk, block).sum(dim=0)  # [N, chunk]: node sums
     if nodes > 1:
-        payload, stored_2 = _quantize(partial, block, chunk, slots[1])  # [N, P]: for the inter-node stage
-        stored = stored + stored_2
+        payload = _quantize(partial, block, chunk, slots[1], stores)  # [N, P]: for the inter-node stage
         received = _all_to_all(payload, nodes, topology.cross_node_group_name).view(nodes, -1)
         partial = dequantize_int4_chunks(received, chunk, block)  # [N, chunk]: one per source node
     total = partial.sum(dim=0)
-    return (total[:shard] / world + stored).to(grad.dtype)
+    return sum(stores, total[:shard] / world).to(grad.dtype)
 
 
-def _quantize(values: Tensor, block: int, chunk: int, slot: Optional[int]) -> tuple[Tensor, Tensor]:
-    """int4 payloads of `values`; with an error-feedback slot, last step's error is added first and
-    the new one stored. Returns (payload, a 0-dim zero that depends on the store)."""
+def _quantize(values: Tensor, block: int, chunk: int, slot: Optional[int], stores: list[Tensor]) -> Tensor:
+    """int4 payloads of `values`. With an error-feedback slot, last step's error is added first and
+    the new one stored; the store's 0-dim zero result is appended to `stores`."""
     if slot is None:
-        return quantize_int4_chunks(values, block), values.new_zeros(())
+        return quantize_int4_chunks(values, block)
     values = values + torch.ops.zpp.ef_load(values, slot)
     payload = quantize_int4_chunks(values, block)
-    stored = torch.ops.zpp.ef_store(values - dequantize_int4_chunks(payload, chunk, block), slot)
-    return payload, stored
+    stores.append(torch.ops.zpp.ef_store(values - dequantize_int4_chunks(payload, chunk, block), slot))
+    return payload
 
 
 def _all_to_all(payload: Tensor, group_size: int, group_name: str) -> Tensor:

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from ..codegen.quantize import payload_numel
+from ..codegen.quantize import weight_from_payloads
 from ..codegen.registry import QuantKernels, quant_kernels
 from .context import PassContext
 from .graph_utils import inline_traced, rewrite_calls
@@ -64,18 +64,41 @@ def gather_and_dequantize(
     """
     c10d = torch.ops._c10d_functional
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(payload, group_size, group_name))
-    n_payloads = gathered.numel() // payload_numel(shard_numel, block)
-    full = kernels.dequantize_packed(gathered, n_payloads, shard_numel, block, dtype)
-    return full[:numel].view(shape), gathered
+    weight = weight_from_payloads(gathered, numel, shape, shard_numel, block, dtype, kernels.dequantize_packed)
+    return weight, gathered
 
 
 def _quantized_gather(graph: fx.Graph, marker: fx.Node, *, block: int, decompositions: dict) -> fx.Node:
-    shard, numel, shape, group_size, group_name = marker.args
-    kernels = quant_kernels(shard.meta["val"].device)
-    fn = functools.partial(
-        quantized_all_gather,
-        numel=numel, shape=list(shape), group_size=group_size, group_name=group_name, block=block, kernels=kernels,
-    )  # fmt: skip
-    log.debug("qwz: %s kernels for %s", kernels.name, marker.name)
-    weight, _ = inline_traced(graph, fn, [shard], decompositions)
+    weight, _, _ = inline_int8_gather(graph, marker, block, decompositions)
     return weight
+
+
+def inline_int8_gather(
+    graph: fx.Graph, marker: fx.Node, block: int, decompositions: dict
+) -> tuple[fx.Node, fx.Node, tuple]:
+    """Trace the int8 gather of either marker in at the insertion point.
+
+    gather_param (qwZ: quantize with `block`, then gather) or gather_quantized_param (a payload
+    stored int8: gather only). Returns (weight node, gathered-payloads node, the payloads' layout
+    (numel, shape, shard_numel, block, dtype), as gather_quantized_param takes it).
+    """
+    source = marker.args[0]
+    kernels = quant_kernels(source.meta["val"].device)
+    if marker.target == torch.ops.zpp.gather_param.default:
+        _, numel, shape, group_size, group_name = marker.args
+        layout = (numel, list(shape), source.meta["val"].numel(), block, source.meta["val"].dtype)
+        fn = functools.partial(
+            quantized_all_gather,
+            numel=numel, shape=list(shape), group_size=group_size, group_name=group_name, block=block, kernels=kernels,
+        )  # fmt: skip
+    else:
+        _, numel, shape, shard_numel, block, dtype, group_size, group_name = marker.args
+        layout = (numel, list(shape), shard_numel, block, dtype)
+        fn = functools.partial(
+            gather_and_dequantize,
+            numel=numel, shape=list(shape), shard_numel=shard_numel, block=block, dtype=dtype,
+            group_size=group_size, group_name=group_name, kernels=kernels,
+        )  # fmt: skip
+    log.debug("%s: %s kernels", marker.name, kernels.name)
+    weight, gathered = inline_traced(graph, fn, [source], decompositions)
+    return weight, gathered, layout
