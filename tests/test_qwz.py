@@ -55,31 +55,33 @@ def _two_layers() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 128, bias=False))
 
 
-def _gather_bytes_per_peer(model: nn.Module) -> tuple[int, int]:
+def _gather_bytes_per_peer(model: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """All-gather bytes one rank sends each peer in the forward and the backward of the second step."""
     counter = zpp_compile.comm_counter()
     compiled = torch.compile(model, backend="zeropp")
-    compiled(torch.randn(2, 64)).sum().backward()
+    compiled(torch.randn(2, 64, dtype=dtype)).sum().backward()
     counter.reset()
-    compiled(torch.randn(2, 64)).sum().backward()
+    compiled(torch.randn(2, 64, dtype=dtype)).sum().backward()
     peers = dist.get_world_size() - 1
     return counter.bytes(phase="forward", op="all_gather") // peers, counter.bytes(phase="backward", op="all_gather") // peers
 
 
-def forward_gather_bytes(block: int) -> tuple[int, int, int]:
-    model = _two_layers()
+def forward_gather_bytes(block: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    model = _two_layers().to(dtype)
     zpp_compile.shard(model, zpp_compile.Config(quantize_weights=True, weight_block_size=block))
-    return *_gather_bytes_per_peer(model), sum(p.numel() * 4 for p in model.parameters())
+    return *_gather_bytes_per_peer(model, dtype), sum(p.numel() * dtype.itemsize for p in model.parameters())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block", [64, 256])
-def test_forward_gather_sends_int8_plus_one_scale_per_block(pools, block):
-    for fw, bw, fp32_bytes in pools(4).run(forward_gather_bytes, block):
-        # Shards of 1024 and 2048 elements divide both block sizes: no padding, exact formula.
-        assert fw == fp32_bytes * (1 + 4 / block) / 4
+def test_forward_gather_sends_int8_plus_one_scale_per_block(pools, block, dtype):
+    for fw, bw, weight_bytes in pools(4).run(forward_gather_bytes, block, dtype):
+        # Shards of 1024 and 2048 elements divide both block sizes: no padding, exact formula:
+        # (1 + 4/block)/4 of fp32, (1 + 4/block)/2 of a 16-bit dtype.
+        assert fw == weight_bytes * (1 + 4 / block) / dtype.itemsize
         assert fw == payload_numel(1024, block) + payload_numel(2048, block)
         # Only the second layer's weight is re-gathered in backward (input grads), in full precision.
-        assert bw == 2048 * 4
+        assert bw == 2048 * dtype.itemsize
 
 
 def frozen_layer_bytes(block: int) -> tuple[int, int, torch.dtype, int]:
