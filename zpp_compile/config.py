@@ -34,6 +34,9 @@ class Config:
         qgz_error_feedback: each rank adds the int4 error of its last send back into the next
             one (LoCo-style), at both qgZ stages. Costs bf16 state of about one unsharded
             gradient per rank; off by default (see docs/qgz_convergence.md for the measurement).
+        reduce_bucket_bytes: gradients of consecutive parameters (in backward graph order) travel
+            in one collective until their bytes (in the gradients' dtype) reach this; 0 gives
+            every parameter its own. Applies to qgZ's all-to-alls.
         ranks_per_node: ranks per node; None reads torchrun's LOCAL_WORLD_SIZE, else one node.
             Setting it simulates several nodes on one machine.
         save_gathered_weights: keep gathered full weights from forward for backward instead of
@@ -52,6 +55,7 @@ class Config:
     quantize_gradients: bool = False
     gradient_block_size: int = 128
     qgz_error_feedback: bool = False
+    reduce_bucket_bytes: int = 25 * 2**20
     ranks_per_node: Optional[int] = None
     save_gathered_weights: bool = False
     lowering: Lowering = "inductor"
@@ -68,6 +72,7 @@ class Config:
         _require_bool(self, "save_gathered_weights")
         _require_block_size(self, "weight_block_size", suggestion=256)
         _require_block_size(self, "gradient_block_size", suggestion=128)
+        _require_int(self, "reduce_bucket_bytes", minimum=0)
         if self.hpz_size is not None:
             _require_int(self, "hpz_size", minimum=1)
         if self.ranks_per_node is not None:

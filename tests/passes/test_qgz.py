@@ -1,3 +1,9 @@
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
@@ -63,3 +69,65 @@ def test_graph_is_unchanged_when_quantize_gradients_is_off(group_of_one):
     code = gm.code
     ctx = PassContext(config=Config(), topology=Topology(1, 0, 1, group_of_one), graph_id=0, phase="backward")
     assert qgz(gm, ctx).code == code
+
+
+def _three_reductions_graph(world: int):
+    """Gradients of 4000, 1000 and 2000 fp32 values (16000, 4000, 8000 bytes), reduced in this order."""
+
+    def backward(a, b, c):
+        return [torch.ops.zpp.reduce_grad(g, g.numel(), world, "world") for g in (a * 2, b * 2, c * 2)]
+
+    return trace(backward, torch.randn(4000), torch.randn(1000), torch.randn(2000))
+
+
+@pytest.mark.parametrize("cap,expected", [(0, [1, 1, 1]), (20000, [2, 1]), (28000, [3]), (25 * 2**20, [3])])
+def test_consecutive_gradients_share_all_to_alls_up_to_the_bucket_size(cap, expected):
+    topology = Topology(4, 1, 2, "world", node_group_name="node_0", cross_node_group_name="local_1")
+    gm = qgz(_three_reductions_graph(4), _context(topology, reduce_bucket_bytes=cap))
+    in_node = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default and n.args[-1] == "node_0"]
+    chunks = {4000: 1024, 1000: 256, 2000: 512}  # shard numel rounded up to blocks of 64
+    sizes, start = [], 0
+    for count in expected:
+        sizes.append(sum(list(chunks.values())[start : start + count]))
+        start += count
+    assert [n.args[0].meta["val"].numel() for n in in_node] == [4 * chunk_payload_numel(s, 64) for s in sizes]
+    outputs = gm.graph.output_node().args[0]
+    assert [o.meta["val"].shape for o in outputs] == [(1000,), (250,), (500,)]
+
+
+def test_bucketed_plan_keeps_every_gradient_in_a_world_of_one(group_of_one):
+    topology = Topology(1, 0, 1, group_of_one, node_group_name=group_of_one)
+
+    def backward(a, b):
+        return [torch.ops.zpp.reduce_grad(g, g.numel(), 1, group_of_one) for g in (a, b)]
+
+    gm = qgz(trace(backward, torch.randn(33), torch.randn(5, 7)), _context(topology))
+    a, b = torch.randn(33), torch.randn(5, 7)
+    got = gm(a, b)
+    assert torch.equal(got[0], a) and torch.equal(got[1], b.reshape(-1))
+
+
+# As in test_qwz.py: tracing Triton kernels needs the compiled Triton frontend, so a fresh process.
+_TRACE_WITH_TRITON_KERNELS = """
+import torch
+from tests.passes.test_qgz import _context, _reduce_graph
+from zpp_compile.passes import qgz
+from zpp_compile.topology import Topology
+
+topology = Topology(4, 1, 2, "world", node_group_name="node_0", cross_node_group_name="local_1")
+gm = qgz(_reduce_graph("world", 4), _context(topology))
+print([getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"])
+"""
+
+
+def test_triton_int4_kernels_enter_the_graph_as_user_kernels():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ZPP_QUANT_KERNELS"] = "triton"  # what a CUDA gradient gets without the override
+    done = subprocess.run(
+        [sys.executable, "-c", _TRACE_WITH_TRITON_KERNELS], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    targets = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    # quantize_swizzled, the fused dequantize-reduce-requantize, and the final dequantize_reduce
+    assert targets.count("triton_kernel_wrapper_functional") == 3, targets
+    assert targets.count("all_to_all_single.default") == 2

@@ -46,6 +46,23 @@ def _bfloat16_round_to_nearest_even(v):
 
 
 @triton.jit
+def block_scales(absmax, has_nan, qmax: tl.constexpr):
+    """Per-block (divisor, stored scale) from the blocks' absmax, as quantize.round_symmetric."""
+    scale = tl.div_rn(absmax, tl.full(absmax.shape, qmax, tl.float32))  # IEEE, as torch: `/` is approximate on GPU
+    divisor = tl.where((scale > 0) & ~has_nan, scale, 1.0)  # zero and nan blocks divide by 1
+    finite = (absmax < float("inf")) & ~has_nan
+    return divisor, tl.where(finite, scale, float("nan"))
+
+
+@triton.jit
+def quantize_to_grid(x, divisor, qmax: tl.constexpr):
+    """x / divisor rounded to an integer in [-qmax, qmax] (as float32); nan -> 0."""
+    scaled = tl.div_rn(x, divisor[:, None])
+    scaled = tl.where(scaled != scaled, 0.0, scaled)
+    return _round_half_to_even(tl.minimum(tl.maximum(scaled, -qmax), qmax))
+
+
+@triton.jit
 def _quantize_pack_kernel(
     x_ptr, payload_ptr, numel, n_blocks, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, ROWS: tl.constexpr
 ):
@@ -54,17 +71,12 @@ def _quantize_pack_kernel(
     offsets = rows[:, None] * BLOCK + cols[None, :]
     in_block = (rows[:, None] < n_blocks) & (cols[None, :] < BLOCK)
     x = tl.load(x_ptr + offsets, mask=in_block & (offsets < numel), other=0.0).to(tl.float32)
-    absmax = tl.max(tl.abs(x), axis=1)
     has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    scale = tl.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))  # IEEE, as torch: `/` is approximate on GPU
-    divisor = tl.where((scale > 0) & ~has_nan, scale, 1.0)  # as quantize.py: nan blocks divide by 1
-    scaled = tl.div_rn(x, divisor[:, None])
-    scaled = tl.where(scaled != scaled, 0.0, scaled)
-    q = _round_half_to_even(tl.minimum(tl.maximum(scaled, -QMAX), QMAX))
+    divisor, stored_scale = block_scales(tl.max(tl.abs(x), axis=1), has_nan, QMAX)
+    q = quantize_to_grid(x, divisor, QMAX)
     tl.store(payload_ptr + offsets, q.to(tl.int8), mask=in_block)
     scale_ptr = (payload_ptr + n_blocks * BLOCK).to(tl.pointer_type(tl.float32), bitcast=True)
-    finite = (absmax < float("inf")) & ~has_nan
-    tl.store(scale_ptr + rows, tl.where(finite, scale, float("nan")), mask=rows < n_blocks)
+    tl.store(scale_ptr + rows, stored_scale, mask=rows < n_blocks)
 
 
 @triton.jit

@@ -1,19 +1,23 @@
-"""qgz: int4 hierarchical all-to-all gradient reduce-scatter (ZeRO++ qgZ).
+"""qgz: int4 hierarchical all-to-all gradient reduce-scatter (ZeRO++ qgZ), bucketed.
 
 Runs on the backward graph before lower_reduce (which then has nothing left to lower).
-Before:  g = zpp.reduce_grad(grad, numel, W, world)            -> this rank's averaged shard
-After:   (traced from qgz_reduce_scatter; L ranks per node, N nodes, W = N * L, S = shard numel)
-         shards = pad(grad.flat, W*S).view(N, L, S)             shard of rank n*L + l at [n, l]
-         send = int4(shards.transpose(0, 1))                    [L, N] chunks: chunk l goes to local rank l
-         recv = all_to_all(send, node group)                    every local rank's version of my chunks
-         part = sum(dequant(recv), over local ranks)            [N, S]: node sums of the shards of n*L + l
-         recv2 = all_to_all(int4(part), cross-node group)       rank l of node n gets its shard from every node
-         g = sum(dequant(recv2), over nodes) / W                fp32, then the gradient's dtype
-With one node the second stage disappears (part is already the world sum); with one rank per
-node the first does (part is this rank's own gradient, not quantized twice). Inter-node traffic
-is int4: S/2 bytes + one fp32 scale per block, per peer node, against 4*S for an fp32
-reduce-scatter. The average is taken once, at the end, in fp32 (bf16/fp16 gradients are read as
-what they are, not reinterpreted).
+Before:  g_i = zpp.reduce_grad(grad_i, numel_i, W, world)     for each parameter i
+After:   one plan per bucket of consecutive markers (Config.reduce_bucket_bytes), traced from
+         qgz_reduce_scatter and placed where the bucket's last marker was. L ranks per node,
+         N nodes, W = N * L; S_i = shard numel of parameter i, C_i = S_i rounded up to a block:
+         values = cat_i(pad(grad_i.flat, W*S_i).view(N, L, S_i) padded to C_i)   [N, L, C]
+         send = quantize_swizzled(values)                [L, N, P]: row l goes to local rank l
+         recv = all_to_all(send, node group)             every local rank's version of my chunks
+         part = dequantize_reduce_requantize(recv)       [N, P]: node sums, int4 again (one kernel)
+         recv2 = all_to_all(part, cross-node group)      rank l of node n gets its chunk from every node
+         total = dequantize_reduce(recv2)                [C] fp32 world sums
+         g_i = (total[offset_i : offset_i + S_i] / W).to(grad_i.dtype)
+With one node the second stage disappears (the node sum is the world sum, decoded by
+dequantize_reduce); with one rank per node the first does (the own gradient is quantized once,
+for the cross-node stage). Chunks are whole blocks, so no block mixes two parameters. Inter-node
+traffic is int4: C/2 bytes + one fp32 scale per block, per peer node, against 4*S for fp32. The
+average is taken once, at the end, in fp32 (bf16/fp16 gradients are read as what they are).
+The three kernels come from codegen.registry for the gradients' device (Triton on CUDA).
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
+from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .. import error_feedback  # noqa: F401  (registers zpp::ef_load / zpp::ef_store)
-from ..codegen.int4 import dequantize_int4_chunks, quantize_int4_chunks
+from ..codegen.registry import QuantKernels, quant_kernels
 from ..error_feedback import new_slot
 from ..ops import padded_numel
 from ..topology import Topology
+from .buckets import bucket_by_bytes
 from .context import PassContext
-from .graph_utils import inline_traced, rewrite_calls
+from .graph_utils import calls, finish, inline_traced, replace_node
 
 log = logging.getLogger(__name__)
 
@@ -42,61 +48,107 @@ def qgz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.config.quantize_gradients:
         log.debug("qgz: %s: Config.quantize_gradients is off; graph unchanged", ctx.label)
         return gm
-    rewrite = functools.partial(_quantized_reduce, ctx=ctx)
-    return rewrite_calls(gm, torch.ops.zpp.reduce_grad.default, rewrite, "qgz", ctx.label)
+    markers = list(calls(gm.graph, torch.ops.zpp.reduce_grad.default))
+    if not markers:
+        log.debug("qgz: %s has no gradient reductions; graph unchanged", ctx.label)
+        return gm
+    for marker in markers:
+        if marker.args[2] != ctx.topology.world_size:
+            raise NotImplementedError(f"qgz: {marker.name} reduces over {marker.args[2]} ranks; qgZ reduces over the world.")
+    for bucket in bucket_by_bytes(markers, _gradient_bytes, ctx.config.reduce_bucket_bytes):
+        _rewrite_bucket(gm.graph, bucket, ctx)
+    stable_topological_sort(gm.graph)  # a user of an early marker may sit before the bucket's end
+    return finish(gm)
 
 
-def _quantized_reduce(graph: fx.Graph, marker: fx.Node, *, ctx: PassContext) -> fx.Node:
-    grad, numel, group_size, _ = marker.args
-    if group_size != ctx.topology.world_size:
-        raise NotImplementedError(f"qgz: {marker.name} reduces over {group_size} ranks; qgZ reduces over the world.")
-    slots = (new_slot(), new_slot()) if ctx.config.qgz_error_feedback else None
+def _gradient_bytes(marker: fx.Node) -> int:
+    grad = marker.args[0].meta["val"]
+    return marker.args[1] * grad.element_size()
+
+
+def _rewrite_bucket(graph: fx.Graph, bucket: list[fx.Node], ctx: PassContext) -> None:
+    grads = [marker.args[0] for marker in bucket]
     fn = functools.partial(
         qgz_reduce_scatter,
-        numel=numel, topology=ctx.topology, block=ctx.config.gradient_block_size, error_slots=slots,
-    )  # fmt: skip
-    return inline_traced(graph, fn, [grad], ctx.decompositions)
+        numels=[marker.args[1] for marker in bucket],
+        topology=ctx.topology,
+        block=ctx.config.gradient_block_size,
+        kernels=quant_kernels(grads[0].meta["val"].device),
+        error_slots=(new_slot(), new_slot()) if ctx.config.qgz_error_feedback else None,
+    )
+    with graph.inserting_before(bucket[-1]):
+        shards = inline_traced(graph, fn, grads, ctx.decompositions)
+    log.debug("qgz: %s: one bucket of %d gradients", ctx.label, len(bucket))
+    for marker, shard in zip(bucket, shards):
+        replace_node(marker, shard)
 
 
 def qgz_reduce_scatter(
-    grad: Tensor, numel: int, topology: Topology, block: int, error_slots: Optional[tuple[int, int]] = None
-) -> Tensor:
-    """This rank's shard of the world-average of `grad`, moved as int4 in two all-to-alls (see above).
+    *grads: Tensor,
+    numels: list[int],
+    topology: Topology,
+    block: int,
+    kernels: Optional[QuantKernels] = None,
+    error_slots: Optional[tuple[int, int]] = None,
+) -> list[Tensor]:
+    """This rank's shard of the world-average of each of `grads`, moved as int4 in (up to) two
+    all-to-alls for the whole bucket (see above).
 
     With `error_slots` (Config.qgz_error_feedback) each quantization adds back the error this
     rank made at the same point last step and stores its new error (see error_feedback.py).
     """
+    kernels = kernels or quant_kernels(grads[0].device)
     world, local, nodes = topology.world_size, topology.ranks_per_node, topology.num_nodes
-    shard = padded_numel(numel, world) // world
-    chunk = -(-shard // block) * block
-    flat = F.pad(grad.reshape(-1).float(), (0, world * shard - numel))
-    shards = F.pad(flat.view(nodes, local, shard), (0, chunk - shard))
+    shards = [padded_numel(numel, world) // world for numel in numels]
+    chunks = [-(-shard // block) * block for shard in shards]
+    values = torch.cat([_node_rank_chunks(g, n, s, c, nodes, local) for g, n, s, c in zip(grads, numels, shards, chunks)], -1)
+    chunk = values.shape[-1]
     slots = error_slots or (None, None)
     stores: list[Tensor] = []  # error-feedback stores: 0-dim zeros that keep them live
-    if local == 1:  # one rank per node: nothing to sum inside the node, no first int4 round trip
-        partial = shards.view(nodes, chunk)
+    if local == 1 and nodes == 1:
+        total = values.view(chunk)
+    elif nodes == 1:  # one node: the in-node stage gives the world sums
+        received = _all_to_all(_quantize_swizzled(values, block, kernels, slots[0], stores), local, topology.node_group_name)
+        total = kernels.int4_dequantize_reduce(received.view(local, 1, -1), chunk, block).view(chunk)
     else:
-        # Swizzle: local rank l receives, for every node n, the shard that rank n*L + l will own.
-        payload = _quantize(shards.transpose(0, 1), block, chunk, slots[0], stores)  # [L, N, P]
-        received = _all_to_all(payload, local, topology.node_group_name).view(local, nodes, -1)
-        partial = dequantize_int4_chunks(received, chunk, block).sum(dim=0)  # [N, chunk]: node sums
-    if nodes > 1:
-        payload = _quantize(partial, block, chunk, slots[1], stores)  # [N, P]: for the inter-node stage
-        received = _all_to_all(payload, nodes, topology.cross_node_group_name).view(nodes, -1)
-        partial = dequantize_int4_chunks(received, chunk, block)  # [N, chunk]: one per source node
-    total = partial.sum(dim=0)
-    return sum(stores, total[:shard] / world).to(grad.dtype)
+        if local == 1:  # nothing to sum inside the node: no first int4 round trip
+            payload = _quantize_swizzled(values, block, kernels, slots[1], stores)
+        else:
+            payload = _quantize_swizzled(values, block, kernels, slots[0], stores)  # [L, N, P]
+            received = _all_to_all(payload, local, topology.node_group_name).view(local, nodes, -1)
+            residual = _load_error(received.new_empty(nodes, chunk, dtype=torch.float32), slots[1])
+            payload, error = kernels.int4_dequantize_reduce_requantize(received, chunk, block, residual)
+            _store_error(error, slots[1], stores)
+        received = _all_to_all(payload, nodes, topology.cross_node_group_name).view(nodes, 1, -1)
+        total = kernels.int4_dequantize_reduce(received, chunk, block).view(chunk)
+    offsets = [sum(chunks[:i]) for i in range(len(chunks))]
+    out = [(total[o : o + s] / world).to(g.dtype) for g, o, s in zip(grads, offsets, shards)]
+    out[0] = sum(stores, out[0])
+    return out
 
 
-def _quantize(values: Tensor, block: int, chunk: int, slot: Optional[int], stores: list[Tensor]) -> Tensor:
-    """int4 payloads of `values`. With an error-feedback slot, last step's error is added first and
-    the new one stored; the store's 0-dim zero result is appended to `stores`."""
-    if slot is None:
-        return quantize_int4_chunks(values, block)
-    values = values + torch.ops.zpp.ef_load(values, slot)
-    payload = quantize_int4_chunks(values, block)
-    stores.append(torch.ops.zpp.ef_store(values - dequantize_int4_chunks(payload, chunk, block), slot))
+def _node_rank_chunks(grad: Tensor, numel: int, shard: int, chunk: int, nodes: int, local: int) -> Tensor:
+    """[N, L, chunk]: the (padded) shard of rank n*L + l at [n, l], padded to whole blocks."""
+    flat = F.pad(grad.reshape(-1).float(), (0, nodes * local * shard - numel))
+    return F.pad(flat.view(nodes, local, shard), (0, chunk - shard))
+
+
+def _quantize_swizzled(
+    values: Tensor, block: int, kernels: QuantKernels, slot: Optional[int], stores: list[Tensor]
+) -> Tensor:
+    residual = _load_error(values.transpose(0, 1), slot)
+    payload, error = kernels.int4_quantize_swizzled(values, block, residual)
+    _store_error(error, slot, stores)
     return payload
+
+
+def _load_error(like: Tensor, slot: Optional[int]) -> Optional[Tensor]:
+    return None if slot is None else torch.ops.zpp.ef_load(like, slot)
+
+
+def _store_error(error: Optional[Tensor], slot: Optional[int], stores: list[Tensor]) -> None:
+    if slot is not None:
+        stores.append(torch.ops.zpp.ef_store(error, slot))
 
 
 def _all_to_all(payload: Tensor, group_size: int, group_name: str) -> Tensor:
