@@ -38,19 +38,6 @@ CONFIGS = {
 }
 
 
-def _step_peak_bytes(step) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for record in sorted(records, key=lambda r: r.start_ns()):
-        live += record.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def _weights_saved_bytes(record) -> int:
     """Bytes of the backward inputs that are gathered: the weights kept from forward for backward."""
     from zpp_compile.passes.graph_utils import c10d
@@ -60,6 +47,8 @@ def _weights_saved_bytes(record) -> int:
 
 
 def measure(label: str, options: dict, args: argparse.Namespace) -> dict:
+    from benchmarks._common import step_peak_bytes
+
     import torch
     import torch.distributed as dist
 
@@ -93,7 +82,7 @@ def measure(label: str, options: dict, args: argparse.Namespace) -> dict:
     step()
     counter = zpp_compile.comm_counter()
     counter.reset()
-    peak = _step_peak_bytes(step)
+    peak = step_peak_bytes(step)
     record = [r for r in compiled_graphs() if r.backward is not None][-1]
     result = {
         "label": label,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -109,9 +111,12 @@ def quantize_dequantize_per_shard(full: torch.Tensor, spec: ShardSpec, block: in
     return torch.cat(pieces)[: spec.numel].view(full.shape)
 
 
-def gpt_loss_curve(config: zpp_compile.Config, steps: int, lr: float = 3e-3) -> tuple[list[float], nn.Module]:
+def gpt_loss_curve(
+    config: zpp_compile.Config, steps: int, lr: float = 3e-3, grads: Optional[list] = None
+) -> tuple[list[float], nn.Module]:
     """Train the tiny GPT sharded with `config`, compiled, for `steps` AdamW steps on this rank's
-    slice of the global batches; return the losses and the (sharded) model."""
+    slice of the global batches; return the losses and the (sharded) model. With `grads`, append
+    each step's gradient shards to it."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = zpp_compile.shard(build("gpt"), config)
@@ -122,6 +127,8 @@ def gpt_loss_curve(config: zpp_compile.Config, steps: int, lr: float = 3e-3) -> 
         x, y = batch("gpt", 4 * world, step)
         loss = loss_of("gpt", compiled, x.chunk(world)[rank], y.chunk(world)[rank])
         loss.backward()
+        if grads is not None:
+            grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

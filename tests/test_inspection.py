@@ -32,7 +32,7 @@ def saved_numels(save_gathered_weights: bool) -> list[list[int]]:
 
 
 def backward_gathers() -> list[int]:
-    _one_compiled_step(zpp_compile.Config())
+    _one_compiled_step(zpp_compile.Config(gather_bucket_bytes=0))  # one gather per weight, to count
     c10d = torch.ops._c10d_functional
     return [
         sum(n.target == c10d.all_gather_into_tensor.default for n in record.backward.graph.nodes)
@@ -56,10 +56,11 @@ def test_backward_regathers_the_weights_it_needs(pools):
     assert pools(2).run(backward_gathers)[0] == [3]
 
 
-def counted_bytes(mode: str) -> dict:
+def counted_bytes(mode: str, bucket_bytes: int = 0) -> dict:
     """One step on 2 simulated nodes x 2 ranks: counter figures and the sizes they must equal."""
     torch.manual_seed(0)
-    model = zpp_compile.shard(OddMLP(), zpp_compile.Config(ranks_per_node=2))
+    config = zpp_compile.Config(ranks_per_node=2, gather_bucket_bytes=bucket_bytes, reduce_bucket_bytes=bucket_bytes)
+    model = zpp_compile.shard(OddMLP(), config)
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable_shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     run = model if mode == "eager" else torch.compile(model, backend="zeropp")
@@ -80,15 +81,15 @@ def counted_bytes(mode: str) -> dict:
     }
 
 
-def _check_zero3_volume(c: dict) -> None:
+def _check_zero3_volume(c: dict, gathers: int = 7, reduce_scatters: int = 5) -> None:
     # 4 ranks on 2 nodes: each rank has 1 peer on its node and 2 on the other.
     assert c["fw_gather_intra"] == c["shard_bytes"]
     assert c["fw_gather_inter"] == 2 * c["shard_bytes"]
     assert c["fw_gather_received"] == 3 * c["shard_bytes"]
     assert c["rs_intra"] == c["trainable_shard_bytes"]
     assert c["rs_inter"] == 2 * c["trainable_shard_bytes"]
-    assert c["fw_gather_calls"] == 7  # 7 parameters, the frozen ones included
-    assert c["rs_calls"] == 5  # only trainable parameters get gradients
+    assert c["fw_gather_calls"] == gathers  # unbucketed: 7 parameters, the frozen ones included
+    assert c["rs_calls"] == reduce_scatters  # unbucketed: only trainable parameters get gradients
 
 
 def test_counter_matches_zero3_volume_eager(pools):
@@ -101,10 +102,15 @@ def test_counter_matches_zero3_volume_compiled(pools):
         _check_zero3_volume(c)
 
 
+def test_bucketing_moves_the_same_bytes_in_one_collective_each_way(pools):
+    for c in pools(4).run(counted_bytes, "compiled", 2**20):
+        _check_zero3_volume(c, gathers=1, reduce_scatters=1)
+
+
 def tied_weight_collectives() -> tuple[int, int, int]:
     """(forward all-gathers, backward reduce-scatters, parameters) of one compiled GPT step."""
     torch.manual_seed(0)
-    model = zpp_compile.shard(build("gpt"))
+    model = zpp_compile.shard(build("gpt"), zpp_compile.Config(gather_bucket_bytes=0, reduce_bucket_bytes=0))
     counter = zpp_compile.comm_counter()
     counter.reset()
     x, y = batch("gpt", 2 * dist.get_world_size(), 0)
@@ -137,7 +143,7 @@ def test_explain_lists_the_collectives_of_one_step(pools):
     assert "all_gather" in text and "reduce_scatter" in text and "float32" in text
     assert plan_bytes == counted > 0
     assert inter == plan_bytes  # ranks_per_node=1: every peer is on another node
-    assert reduce_scatters == 5
+    assert reduce_scatters == 1  # the 5 trainable parameters' gradients share one default-size bucket
     assert grads_untouched
 
 

@@ -10,7 +10,8 @@ from .comm import Collective, CommCounter, comm_counter
 from .config import Config
 from .error_feedback import clear_error_feedback
 from .explain import explain
-from .plan import CommPlan
+from .plan import CommPlan, peak_collective_bytes
+from .schedule_check import ScheduleMismatchError
 from .sharding import full_state_dict, is_sharded, shard
 from .topology import DistributedNotInitializedError, Topology
 
@@ -24,6 +25,7 @@ __all__ = [
     "Config",
     "DistributedNotInitializedError",
     "NotShardedError",
+    "ScheduleMismatchError",
     "Topology",
     "comm_counter",
     "clear_error_feedback",
@@ -31,6 +33,7 @@ __all__ = [
     "explain",
     "full_state_dict",
     "is_sharded",
+    "peak_collective_bytes",
     "shard",
     "zeropp_backend",
 ]

@@ -27,6 +27,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import comm, passes
 from .plan import collectives_in
+from .schedule_check import check_schedule
 from .sharding import ShardedState, shard_spec, state_of_shard
 from .topology import require_initialized
 
@@ -76,8 +77,9 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
     use_inductor = state.config.lowering == "inductor"
     decompositions = _inductor_decompositions() if use_inductor else {}
     ctx = passes.PassContext(
-        config=state.config, topology=state.topology, graph_id=next(_graph_ids), decompositions=decompositions
-    )
+        config=state.config, topology=state.topology, graph_id=next(_graph_ids), decompositions=decompositions,
+        cost_model=state.cost_model,
+    )  # fmt: skip
     _RECORDS[ctx.graph_id] = GraphRecord(ctx.graph_id)
     gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
     compile_graph = functools.partial(_compile_partitioned, use_inductor=use_inductor)
@@ -141,10 +143,15 @@ def _compile_partitioned(
 
 
 def _counting(compiled: Callable, collectives: list[comm.Collective], ctx: passes.PassContext) -> Callable:
-    """Wrap a boxed compiled graph so each run adds its collectives to the communication counter."""
+    """Wrap a boxed compiled graph so each run adds its collectives to the communication counter
+    (and, in the schedule-check debug mode, compares them across ranks before the first run)."""
     counter, topology = comm.comm_counter(), ctx.topology
+    unchecked = [ctx.config.schedule_check_enabled]
 
     def run(args: list[Any]) -> Any:
+        if unchecked[0]:
+            check_schedule(collectives, ctx.label)
+            unchecked[0] = False
         out = compiled(args)
         counter.record(collectives, topology)
         return out

@@ -34,9 +34,21 @@ class Config:
         qgz_error_feedback: each rank adds the int4 error of its last send back into the next
             one (LoCo-style), at both qgZ stages. Costs bf16 state of about one unsharded
             gradient per rank; off by default (see docs/qgz_convergence.md for the measurement).
-        reduce_bucket_bytes: gradients of consecutive parameters (in backward graph order) travel
-            in one collective until their bytes (in the gradients' dtype) reach this; 0 gives
-            every parameter its own. Applies to qgZ's all-to-alls.
+        gather_bucket_bytes: neighbouring all-gathers of one group and dtype travel as one
+            collective up to this many bytes (as sent: int8 payloads under qwZ); 0: one each.
+        reduce_bucket_bytes: the same for gradient reduce-scatters, and for qgZ's all-to-alls
+            (there counted in the gradients' dtype, before int4).
+        prefetch_limit: how many collectives may be in flight at once (0 turns the overlap
+            scheduling off: each collective is issued where its result is needed, then waited).
+            Each gather is issued early enough to hide behind the compute before it, by the cost
+            model, and each wait sits right before the first use of its result.
+        prefetch_bytes: and how many bytes (as received) those in-flight collectives may hold.
+        intra_node_gbps, inter_node_gbps, compute_tflops: the cost model's link bandwidths
+            (Gbit/s per rank) and compute rate; None measures them once in shard() (the slowest
+            rank's value, so every rank decides alike).
+        check_schedule: debug mode: before a compiled graph first runs, every rank compares the
+            list of its collectives with the others' (also on with ZPP_CHECK_SCHEDULE=1); a
+            mismatch raises an error naming the first differing collective, instead of hanging.
         ranks_per_node: ranks per node; None reads torchrun's LOCAL_WORLD_SIZE, else one node.
             Setting it simulates several nodes on one machine.
         save_gathered_weights: keep gathered full weights from forward for backward instead of
@@ -55,7 +67,14 @@ class Config:
     quantize_gradients: bool = False
     gradient_block_size: int = 128
     qgz_error_feedback: bool = False
+    gather_bucket_bytes: int = 25 * 2**20
     reduce_bucket_bytes: int = 25 * 2**20
+    prefetch_limit: int = 2
+    prefetch_bytes: int = 256 * 2**20
+    intra_node_gbps: Optional[float] = None
+    inter_node_gbps: Optional[float] = None
+    compute_tflops: Optional[float] = None
+    check_schedule: bool = False
     ranks_per_node: Optional[int] = None
     save_gathered_weights: bool = False
     lowering: Lowering = "inductor"
@@ -72,7 +91,13 @@ class Config:
         _require_bool(self, "save_gathered_weights")
         _require_block_size(self, "weight_block_size", suggestion=256)
         _require_block_size(self, "gradient_block_size", suggestion=128)
+        _require_int(self, "gather_bucket_bytes", minimum=0)
         _require_int(self, "reduce_bucket_bytes", minimum=0)
+        _require_int(self, "prefetch_limit", minimum=0)
+        _require_int(self, "prefetch_bytes", minimum=0)
+        for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops"):
+            _require_positive_or_none(self, name)
+        _require_bool(self, "check_schedule")
         if self.hpz_size is not None:
             _require_int(self, "hpz_size", minimum=1)
         if self.ranks_per_node is not None:
@@ -89,6 +114,10 @@ class Config:
     @property
     def hpz_enabled(self) -> bool:
         return self.hpz_size is not None and self.hpz_size > 1
+
+    @property
+    def schedule_check_enabled(self) -> bool:
+        return self.check_schedule or os.environ.get("ZPP_CHECK_SCHEDULE", "") not in ("", "0")
 
     @property
     def graph_dump_dir(self) -> Optional[str]:
@@ -117,3 +146,11 @@ def _require_int(config: Config, name: str, *, minimum: int) -> None:
         raise TypeError(f"Config.{name} must be an int, got {value!r}.")
     if value < minimum:
         raise ValueError(f"Config.{name}={value} is out of range: it must be >= {minimum}.")
+
+
+def _require_positive_or_none(config: Config, name: str) -> None:
+    value = getattr(config, name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"Config.{name}={value!r} must be a positive number, or None to measure it.")

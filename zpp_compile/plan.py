@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Iterable
 
 import torch
@@ -12,8 +13,10 @@ from .comm import Collective, Phase, group_ranks
 from .topology import Topology
 
 _c10d = torch.ops._c10d_functional
+_ALIAS_PASSING = (_c10d.wait_tensor.default, operator.getitem)
 _COLLECTIVE_OPS = {
     _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.all_gather_into_tensor_out.default: "all_gather",  # as Inductor's bucketing writes it
     _c10d.reduce_scatter_tensor.default: "reduce_scatter",
     _c10d.all_to_all_single.default: "all_to_all",
 }
@@ -40,6 +43,39 @@ def collectives_in(gm: fx.GraphModule, phase: Phase, label: str) -> list[Collect
             )
         )
     return found
+
+
+def peak_collective_bytes(gm: fx.GraphModule) -> int:
+    """The most bytes of collective results alive at once when `gm` runs in graph order.
+
+    A result lives from its collective's start to the last use of it or of any view of it (the
+    buffer cannot be freed while a view survives): the gathered weights and buckets in flight and
+    in use, which is what bucketing and prefetch trade against step time.
+    """
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    spans = [
+        (position[n], _last_use(n, position), n.meta["val"].numel() * n.meta["val"].element_size())
+        for n in nodes
+        if n.op == "call_function" and n.target in _COLLECTIVE_OPS
+    ]
+    return max((sum(size for lo, hi, size in spans if lo <= i <= hi) for i in range(len(nodes))), default=0)
+
+
+def _last_use(node: fx.Node, position: dict[fx.Node, int]) -> int:
+    last = position[node]
+    for user in node.users:
+        last = max(last, _last_use(user, position) if _aliases_input(user) else position[user])
+    return last
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in _ALIAS_PASSING:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 @dataclasses.dataclass

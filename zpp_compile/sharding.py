@@ -10,6 +10,7 @@ marker the backend's passes rewrite.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Iterator, Optional
 
 import torch
@@ -18,8 +19,12 @@ from torch import Tensor, nn
 
 from .codegen.quantize import quantize_packed
 from .config import Config
+from .cost_model import CostModel, build_cost_model
 from .ops import pad_flat, padded_numel
 from .topology import Topology, build_topology, require_initialized, set_current_topology
+
+
+_PLAN_IDS = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +42,7 @@ class ShardSpec:
     group_name: str
     dtype: torch.dtype = torch.float32
     quantized_block: Optional[int] = None
+    plan_id: int = 0  # which shard() call made it: compiled graphs are specialised on it (see gather_full)
 
     @property
     def shard_numel(self) -> int:
@@ -51,6 +57,7 @@ class ShardedState:
     config: Config
     topology: Topology
     specs: dict[str, ShardSpec]
+    cost_model: Optional[CostModel] = None
 
 
 def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_states: bool = True) -> nn.Module:
@@ -69,14 +76,16 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     if sync_module_states:
         _broadcast_from_rank0(model)
 
-    state = ShardedState(config=config, topology=topology, specs={})
+    cost_model = build_cost_model(config) if config.prefetch_limit else None
+    plan_id = next(_PLAN_IDS)
+    state = ShardedState(config=config, topology=topology, specs={}, cost_model=cost_model)
     shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its shard, so tied weights stay tied
     for module_name, module in model.named_modules():  # a module reused twice is sharded once
         names = [n for n, p in module._parameters.items() if p is not None]
         for name in names:
             full = module._parameters[name]
             if id(full) not in shards:
-                spec = _spec_for(_join(module_name, name), full, topology, config)
+                spec = _spec_for(_join(module_name, name), full, topology, config, plan_id)
                 state.specs[spec.fqn] = spec
                 shards[id(full)] = _make_shard(full, spec, state)
             module._parameters[name] = shards[id(full)]
@@ -130,6 +139,11 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 def gather_full(shard_param: Tensor) -> Tensor:
     """The full parameter for a shard: the `zpp::gather_param` call every module read makes."""
     spec = shard_spec(shard_param)
+    # Branching on plan_id makes Dynamo guard on it: a graph compiled for one shard() call (its
+    # Config, topology, cost model) is never reused for parameters of another, which would
+    # otherwise match every tensor guard and silently run the first model's plan.
+    if spec.plan_id < 0:
+        raise AssertionError("unreachable: plan ids count from 0")
     if spec.quantized_block is not None:
         return torch.ops.zpp.gather_quantized_param(
             shard_param,
@@ -144,7 +158,7 @@ def gather_full(shard_param: Tensor) -> Tensor:
     return torch.ops.zpp.gather_param(shard_param, spec.numel, list(spec.shape), spec.group_size, spec.group_name)
 
 
-def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config) -> ShardSpec:
+def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config, plan_id: int) -> ShardSpec:
     stored_quantized = config.quantize_frozen_weights and not full.requires_grad and full.is_floating_point()
     return ShardSpec(
         fqn=fqn,
@@ -154,6 +168,7 @@ def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config) -> Sha
         group_name=topology.world_group_name,
         dtype=full.dtype,
         quantized_block=config.weight_block_size if stored_quantized else None,
+        plan_id=plan_id,
     )
 
 

@@ -10,6 +10,7 @@ from typing import Callable
 import torch.fx as fx
 
 from .context import PassContext
+from .bucket_collectives import bucket_collectives
 from .dedupe_gathers import dedupe_gathers
 from .hpz import hpz
 from .lower_gather import lower_gather
@@ -18,6 +19,7 @@ from .lower_reduce import lower_reduce
 from .qgz import qgz
 from .qwz import qwz
 from .recompute import check_no_gathered_weight_saved, tag_gathers_for_recompute
+from .schedule_overlap import schedule_overlap
 
 GraphPass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 PartitionPass = Callable[[fx.GraphModule, fx.GraphModule, PassContext], tuple[fx.GraphModule, fx.GraphModule]]
@@ -30,9 +32,11 @@ JOINT_PASSES: list[GraphPass] = [tag_gathers_for_recompute]
 PARTITION_PASSES: list[PartitionPass] = [hpz]
 # On the partitioned graphs, before lowering to Inductor.
 # qwz first: it rewrites the forward gathers it quantizes; lower_gather takes whatever is left.
-FORWARD_PASSES: list[GraphPass] = [qwz, lower_gather, lower_quantized_gather]
+# The scheduling passes come last: they see the collectives that really travel.
+SCHEDULING_PASSES: list[GraphPass] = [bucket_collectives, schedule_overlap]
+FORWARD_PASSES: list[GraphPass] = [qwz, lower_gather, lower_quantized_gather, *SCHEDULING_PASSES]
 # qgz before lower_reduce: it rewrites the gradient reductions it quantizes.
-BACKWARD_PASSES: list[GraphPass] = [lower_gather, lower_quantized_gather, qgz, lower_reduce]
+BACKWARD_PASSES: list[GraphPass] = [lower_gather, lower_quantized_gather, qgz, lower_reduce, *SCHEDULING_PASSES]
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[GraphPass]) -> fx.GraphModule:
@@ -57,6 +61,9 @@ def run_partition_passes(
 
 __all__ = [
     "BACKWARD_PASSES",
+    "SCHEDULING_PASSES",
+    "bucket_collectives",
+    "schedule_overlap",
     "FORWARD_PASSES",
     "JOINT_PASSES",
     "PRE_AUTOGRAD_PASSES",

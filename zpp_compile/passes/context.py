@@ -9,6 +9,7 @@ from typing import Optional
 import torch.fx as fx
 
 from ..config import Config
+from ..cost_model import CostModel
 from ..topology import Topology
 
 
@@ -17,7 +18,8 @@ class PassContext:
     config: Config
     topology: Topology
     graph_id: int
-    phase: str = "dynamo"  # "dynamo" | "joint" | "forward" | "backward" | "inference"
+    phase: str = "dynamo"
+    cost_model: Optional[CostModel] = None  # None: the scheduling passes leave the order alone  # "dynamo" | "joint" | "forward" | "backward" | "inference"
     # The decomposition table of the lowering, for passes that trace torch code into the graph.
     decompositions: dict = dataclasses.field(default_factory=dict)
     _dump_step: int = 0

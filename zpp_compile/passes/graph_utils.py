@@ -17,6 +17,16 @@ c10d = torch.ops._c10d_functional
 GATHER_MARKERS = (torch.ops.zpp.gather_param.default, torch.ops.zpp.gather_quantized_param.default)
 
 
+# Functional collectives as the lowered graphs issue them (Inductor's bucketing writes the _out
+# form of all-gather); each has exactly one user, its wait_tensor.
+COLLECTIVE_STARTS = (
+    c10d.all_gather_into_tensor.default,
+    c10d.all_gather_into_tensor_out.default,
+    c10d.reduce_scatter_tensor.default,
+    c10d.all_to_all_single.default,
+)
+
+
 def is_call(node: fx.Node, *targets: Any) -> bool:
     return node.op == "call_function" and node.target in targets
 

@@ -1,0 +1,121 @@
+"""bucket_collectives and schedule_overlap on small lowered graphs (a real one-rank gloo group)."""
+
+import torch
+
+import zpp_compile  # noqa: F401  (registers zpp:: ops)
+from zpp_compile.config import Config
+from zpp_compile.cost_model import CostModel
+from zpp_compile.plan import peak_collective_bytes
+from zpp_compile.passes import PassContext, bucket_collectives, lower_gather, lower_reduce, schedule_overlap
+from zpp_compile.topology import Topology
+
+from .helpers import trace
+
+c10d = torch.ops._c10d_functional
+STARTS = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default, c10d.reduce_scatter_tensor.default)
+SLOW_LINK = CostModel(intra_node_bytes_per_s=1e3, inter_node_bytes_per_s=1e3, flops_per_s=1e9)
+FAST_LINK = CostModel(intra_node_bytes_per_s=1e15, inter_node_bytes_per_s=1e15, flops_per_s=1e9, latency_s=0.0)
+
+
+def _context(group: str, cost_model=None, phase="forward", **config) -> PassContext:
+    topology = Topology(world_size=1, rank=0, ranks_per_node=1, world_group_name=group)
+    return PassContext(config=Config(**config), topology=topology, graph_id=0, phase=phase, cost_model=cost_model)
+
+
+def _three_layers(group: str):
+    """x -> three linear layers whose weights are gathered; lowered to functional all-gathers."""
+
+    def forward(x, a, b, c):
+        for shard in (a, b, c):
+            x = torch.tanh(x @ torch.ops.zpp.gather_param(shard, 64 * 64, [64, 64], 1, group).t())
+        return x
+
+    args = (torch.randn(8, 64), torch.randn(4096), torch.randn(4096), torch.randn(4096))
+    return lower_gather(trace(forward, *args), _context(group)), args
+
+
+def _order(gm) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _kinds(gm) -> list[str]:
+    """The graph as a sequence of 'start', 'wait' and 'mm' (other nodes left out)."""
+    kinds = {**{t: "start" for t in STARTS}, c10d.wait_tensor.default: "wait", torch.ops.aten.mm.default: "mm"}
+    return [kinds[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in kinds]
+
+
+def test_bucketing_merges_the_gathers_into_one_and_keeps_values(group_of_one):
+    gm, args = _three_layers(group_of_one)
+    want = gm(*args)
+    gm = bucket_collectives(gm, _context(group_of_one))
+    assert _kinds(gm).count("start") == 1
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+
+
+def test_gather_bucket_cap_splits_buckets_and_zero_turns_bucketing_off(group_of_one):
+    gm, _ = _three_layers(group_of_one)
+    two_weights = 2 * 64 * 64 * 4
+    assert _kinds(bucket_collectives(gm, _context(group_of_one, gather_bucket_bytes=two_weights))).count("start") == 2
+    gm, _ = _three_layers(group_of_one)
+    code = gm.code
+    assert bucket_collectives(gm, _context(group_of_one, gather_bucket_bytes=0)).code == code
+
+
+def test_reduce_scatters_are_bucketed_too(group_of_one):
+    def backward(a, b):
+        return [torch.ops.zpp.reduce_grad(g * 2, g.numel(), 1, group_of_one) for g in (a, b)]
+
+    args = (torch.randn(100), torch.randn(30))
+    gm = lower_reduce(trace(backward, *args), _context(group_of_one, phase="backward"))
+    want = gm(*args)
+    gm = bucket_collectives(gm, _context(group_of_one, phase="backward"))
+    assert _kinds(gm).count("start") == 1
+    for got, expected in zip(gm(*args), want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_before_scheduling_each_gather_is_waited_where_it_starts(group_of_one):
+    gm, _ = _three_layers(group_of_one)
+    assert _kinds(gm) == ["start", "wait", "mm"] * 3
+
+
+def test_slow_link_prefetches_the_next_gathers_behind_compute(group_of_one):
+    gm, args = _three_layers(group_of_one)
+    want = gm(*args)
+    before = peak_collective_bytes(gm)
+    gm = schedule_overlap(gm, _context(group_of_one, SLOW_LINK, prefetch_limit=2))
+    # Transfers never hide on this link, so each gather goes as early as the limits allow: two in
+    # flight, so the third starts once the first has arrived, and runs behind the first layer.
+    assert _kinds(gm) == ["start", "start", "wait", "start", "mm", "wait", "mm", "wait", "mm"]
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+    assert peak_collective_bytes(gm) == 3 * before  # the weight in use + two in flight
+
+
+def test_prefetch_limit_bounds_the_gathers_in_flight(group_of_one):
+    gm, _ = _three_layers(group_of_one)
+    gm = schedule_overlap(gm, _context(group_of_one, SLOW_LINK, prefetch_limit=1))
+    # One in flight: the next gather starts only once the previous one has been waited for.
+    assert _kinds(gm) == ["start", "wait", "start", "mm", "wait", "start", "mm", "wait", "mm"]
+    assert peak_collective_bytes(gm) == 2 * 64 * 64 * 4
+
+
+def test_prefetch_bytes_bounds_the_bytes_in_flight(group_of_one):
+    gm, _ = _three_layers(group_of_one)
+    weight = 64 * 64 * 4
+    gm = schedule_overlap(gm, _context(group_of_one, SLOW_LINK, prefetch_limit=8, prefetch_bytes=weight))
+    # One weight's bytes in flight: as a limit of one collective here.
+    assert _kinds(gm) == ["start", "wait", "start", "mm", "wait", "start", "mm", "wait", "mm"]
+    assert peak_collective_bytes(gm) == 2 * weight
+
+
+def test_fast_link_needs_no_prefetch_and_keeps_memory_at_one_weight(group_of_one):
+    gm, _ = _three_layers(group_of_one)
+    gm = schedule_overlap(gm, _context(group_of_one, FAST_LINK))
+    assert _kinds(gm) == ["start", "wait", "mm"] * 3
+    assert peak_collective_bytes(gm) == 64 * 64 * 4
+
+
+def test_without_a_cost_model_the_order_is_left_alone(group_of_one):
+    gm, _ = _three_layers(group_of_one)
+    order = _order(gm)
+    assert _order(schedule_overlap(gm, _context(group_of_one, None))) == order

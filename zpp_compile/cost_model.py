@@ -1,0 +1,86 @@
+"""The cost model the scheduling passes decide with: how long a collective and a compute node take.
+
+Collective time = latency + bytes this rank sends / bandwidth of the link it crosses, where the
+bytes are those that really travel (int8/int4 payloads under qwZ/qgZ) and the link is the slower
+one the group spans (inter-node when the group has members on two nodes). Compute time = FLOPs
+(torch.utils.flop_counter's formulas: matmuls, convolutions, attention) / a FLOP rate, plus a fixed
+per-kernel cost for everything else. Rates come from the Config or are measured once, in shard(),
+and then reduced to the slowest rank's value, so every rank holds the same model and the passes
+take the same decisions (passes/README.md, invariant 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from .config import Config
+
+_PROBE_BYTES = 4 * 2**20
+_PROBE_MATMUL = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    flops_per_s: float
+    latency_s: float = 50e-6
+    kernel_s: float = 5e-6
+
+    def collective_seconds(self, bytes_sent: int, crosses_nodes: bool) -> float:
+        bandwidth = self.inter_node_bytes_per_s if crosses_nodes else self.intra_node_bytes_per_s
+        return self.latency_s + bytes_sent / bandwidth
+
+    def node_seconds(self, node: fx.Node) -> float:
+        """Estimated run time of one compute node of a graph (0 for placeholders, views, outputs)."""
+        if node.op != "call_function":
+            return 0.0
+        formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+        if formula is None:
+            return self.kernel_s
+        fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+        try:
+            flops = formula(*fake_args, out_val=node.meta.get("val"), **fake_kwargs)
+        except Exception:  # a formula that does not take this overload's arguments: count a kernel
+            return self.kernel_s
+        return self.kernel_s + flops / self.flops_per_s
+
+
+def build_cost_model(config: Config, group: Optional[dist.ProcessGroup] = None) -> CostModel:
+    """The Config's rates, with the missing ones measured here (collective: every rank calls it)."""
+    measured = None
+    if config.intra_node_gbps is None or config.inter_node_gbps is None or config.compute_tflops is None:
+        measured = _measure(group)
+    bandwidth = measured[0] if measured else 0.0
+    return CostModel(
+        intra_node_bytes_per_s=config.intra_node_gbps * 1e9 / 8 if config.intra_node_gbps else bandwidth,
+        inter_node_bytes_per_s=config.inter_node_gbps * 1e9 / 8 if config.inter_node_gbps else bandwidth,
+        flops_per_s=config.compute_tflops * 1e12 if config.compute_tflops else measured[1],
+    )
+
+
+def _measure(group: Optional[dist.ProcessGroup]) -> tuple[float, float]:
+    """(all-gather bytes/s per rank, matmul FLOP/s), each the slowest rank's, on every rank."""
+    world = dist.get_world_size(group)
+    probe = torch.zeros(_PROBE_BYTES // 4 // max(world, 1))
+    out = torch.empty(probe.numel() * world)
+    dist.all_gather_into_tensor(out, probe, group=group)  # warm-up: connections, buffers
+    start = time.perf_counter()
+    dist.all_gather_into_tensor(out, probe, group=group)
+    seconds = [time.perf_counter() - start]
+    a = torch.randn(_PROBE_MATMUL, _PROBE_MATMUL)
+    a @ a
+    start = time.perf_counter()
+    a @ a
+    seconds.append(time.perf_counter() - start)
+    slowest = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    sent = probe.numel() * 4 * (world - 1)
+    return max(sent, 1) / slowest[0].item(), 2 * _PROBE_MATMUL**3 / slowest[1].item()

@@ -1,0 +1,47 @@
+"""bucket_collectives: merge neighbouring all-gathers and reduce-scatters with Inductor's bucketing.
+
+Runs on the lowered forward and backward graphs (functional collectives, after the quantizing
+passes), so the bytes it counts are the bytes that travel: int8 payloads under qwZ, the in-node
+group under hpZ. Inductor's passes (torch._inductor.fx_passes.bucketing) group collectives of the
+same group and dtype that are adjacent in wait order and independent of each other, up to a
+size cap, and rewrite each group into one collective on a concatenated buffer.
+Before:  a = wait(all_gather(x, 4, g)); b = wait(all_gather(y, 4, g))
+After:   ab = wait(all_gather(cat(x, y), 4, g)); a, b = the per-rank slices of ab, copied out
+qgZ's all-to-alls are bucketed by qgz itself (Inductor does not bucket all-to-all).
+Caps: Config.gather_bucket_bytes and Config.reduce_bucket_bytes; 0 turns either off.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from .context import PassContext
+from .graph_utils import COLLECTIVE_STARTS, calls, finish
+
+log = logging.getLogger(__name__)
+
+_MIB = 2**20
+
+
+def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    before = _count(gm)
+    gather_cap, reduce_cap = ctx.config.gather_bucket_bytes, ctx.config.reduce_bucket_bytes
+    if gather_cap:
+        bucket_all_gather(gm, lambda _: gather_cap / _MIB, "default")
+    if reduce_cap:
+        bucket_reduce_scatter(gm, lambda _: reduce_cap / _MIB, "default")
+    after = _count(gm)
+    if after == before:
+        log.debug("bucket_collectives: %s: nothing to merge; graph unchanged", ctx.label)
+        return gm
+    log.debug("bucket_collectives: %s: %d collectives -> %d", ctx.label, before, after)
+    stable_topological_sort(gm.graph)  # Inductor's merge sits at the last member; pull it above the first use
+    return finish(gm)
+
+
+def _count(gm: fx.GraphModule) -> int:
+    return len(list(calls(gm.graph, *COLLECTIVE_STARTS)))
