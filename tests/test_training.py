@@ -146,3 +146,30 @@ def eval_matches_reference(name: str) -> float:
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_no_grad_evaluation_matches_unsharded_model(pools, name):
     assert max(pools(2).run(eval_matches_reference, name)) <= RTOL
+
+
+def two_models_with_two_configs() -> dict:
+    """Two models of one class, sharded with different Configs, compiled in one process without a
+    Dynamo reset: each must run its own plan (int8 gathers only for the qwZ one)."""
+    from zpp_compile.backend import clear_compiled_graphs
+
+    clear_compiled_graphs()
+    counter = zpp_compile.comm_counter()
+    result: dict = {}
+    for label, config in (("plain", zpp_compile.Config()), ("qwz", zpp_compile.Config(quantize_weights=True))):
+        torch.manual_seed(0)
+        model = zpp_compile.shard(build("mlp"), config)
+        x, y = batch("mlp", 2 * dist.get_world_size(), 0)
+        with counter.trace() as issued:
+            loss_of("mlp", torch.compile(model, backend="zeropp"), x, y).backward()
+        result[label] = {str(c.dtype) for c in issued if c.phase == "forward"}
+    result["graphs"] = len(zpp_compile.compiled_graphs())
+    torch._dynamo.reset()
+    return result
+
+
+def test_models_sharded_with_different_configs_never_share_a_compiled_graph(pools):
+    result = pools(2).run(two_models_with_two_configs)[0]
+    assert result["graphs"] == 2  # the second model recompiled instead of reusing the first plan
+    assert result["plain"] == {"torch.float32"}
+    assert result["qwz"] == {"torch.int8"}
