@@ -10,6 +10,8 @@ Per config and rank 0 it reports:
   * step peak: the highest live bytes allocated during one step over what was live before it,
     from torch.profiler's memory records (so: on top of the persistent shards, grads and Adam);
   * bytes this rank sent per step, inter-node and intra-node, from the communication counter.
+The scheduling passes are off here (one collective per parameter, issued where used), so the
+figures isolate hpZ; benchmarks/scheduling.py measures what bucketing and prefetch add.
 Theory for the weights kept between forward and backward: ZeRO-3 saves nothing but the shards it
 holds anyway (M/W); hpZ adds the secondary shards, M_bw/hpz, where M_bw is the size of the weights
 the backward needs (the weights of layers whose input gradient is needed) -- in int8 with qwZ.
@@ -65,6 +67,11 @@ def measure(label: str, options: dict, args: argparse.Namespace) -> dict:
         hpz_size=args.hpz if options.get("hpz") else None,
         quantize_weights=options.get("quantize_weights", False),
         hpz_quantized_secondary=options.get("hpz_quantized_secondary", True),
+        # One collective per parameter, issued where used: what hpZ changes, not what bucketing and
+        # prefetch add (benchmarks/scheduling.py measures those).
+        gather_bucket_bytes=0,
+        reduce_bucket_bytes=0,
+        prefetch_limit=0,
     )
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     zpp_compile.shard(model, config)
@@ -117,7 +124,8 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
     lines = [
         f"`python benchmarks/hpz_memory.py --nproc {args.nproc} --ranks-per-node {args.ranks_per_node} "
         f"--hpz {args.hpz}` (GPT {m / 4e6:.2f}M params = M = {m / mb:.1f} MB fp32, world {args.nproc}, "
-        f"{args.nproc // args.ranks_per_node} simulated nodes; rank 0, one step after two warm-up steps)",
+        f"{args.nproc // args.ranks_per_node} simulated nodes; rank 0, one step after two warm-up steps; "
+        "scheduling passes off, so the figures isolate hpZ)",
         "",
         f"M/W = {m / args.nproc / mb:.2f} MB per rank. The backward needs the weights of "
         f"M_bw = {plain_weights * args.nproc / mb:.2f} MB (fp32): hpZ theory "

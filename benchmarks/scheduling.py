@@ -116,6 +116,14 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
             f"| {r['label']} | {median:.0f} | {ratio:.2f} | {r['peak'] / mb:.2f} | {r['graph_peak'] / mb:.2f} | "
             f"{r['calls']} | {r['first_step_s']:.1f} |"
         )
+    lines += [
+        "",
+        "Step peak: the most bytes allocated during one step over what was live before it (persistent",
+        "shards, gradients and Adam state excluded), from torch.profiler. Collective buffers live at once:",
+        "zpp_compile.peak_collective_bytes over the config's compiled graphs, i.e. the gathered weights",
+        "(or buckets) in use and in flight at the worst point of a graph, which is what bucket sizes and",
+        "prefetch trade for speed. Collectives per step: from the communication counter.",
+    ]
     return "\n".join(lines)
 
 

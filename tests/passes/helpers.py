@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
+
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -20,3 +25,14 @@ def targets(gm: fx.GraphModule) -> list:
 def context(group_name: str, **config) -> PassContext:
     topology = Topology(world_size=1, rank=0, ranks_per_node=1, world_group_name=group_name)
     return PassContext(config=Config(**config), topology=topology, graph_id=0, phase="forward")
+
+
+def call_targets_with_triton_kernels(script: str) -> list[str]:
+    """Run `script` (which prints a list of call target names last) in a fresh process with the
+    Triton kernel set: tracing a Triton kernel needs the compiled (not interpreted) Triton
+    frontend, and this test session runs Triton interpreted when there is no GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ZPP_QUANT_KERNELS"] = "triton"  # what a CUDA tensor gets without the override
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])

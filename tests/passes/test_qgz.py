@@ -1,8 +1,3 @@
-import ast
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -12,7 +7,7 @@ from zpp_compile.config import Config
 from zpp_compile.passes import PassContext, qgz
 from zpp_compile.topology import Topology
 
-from .helpers import targets, trace
+from .helpers import call_targets_with_triton_kernels, targets, trace
 
 c10d = torch.ops._c10d_functional
 
@@ -107,7 +102,7 @@ def test_bucketed_plan_keeps_every_gradient_in_a_world_of_one(group_of_one):
     assert torch.equal(got[0], a) and torch.equal(got[1], b.reshape(-1))
 
 
-# As in test_qwz.py: tracing Triton kernels needs the compiled Triton frontend, so a fresh process.
+# Runs in a fresh process: see call_targets_with_triton_kernels.
 _TRACE_WITH_TRITON_KERNELS = """
 import torch
 from tests.passes.test_qgz import _context, _reduce_graph
@@ -121,13 +116,7 @@ print([getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n
 
 
 def test_triton_int4_kernels_enter_the_graph_as_user_kernels():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["ZPP_QUANT_KERNELS"] = "triton"  # what a CUDA gradient gets without the override
-    done = subprocess.run(
-        [sys.executable, "-c", _TRACE_WITH_TRITON_KERNELS], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    targets = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    targets = call_targets_with_triton_kernels(_TRACE_WITH_TRITON_KERNELS)
     # quantize_swizzled, the fused dequantize-reduce-requantize, and the final dequantize_reduce
     assert targets.count("triton_kernel_wrapper_functional") == 3, targets
     assert targets.count("all_to_all_single.default") == 2

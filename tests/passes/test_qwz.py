@@ -1,15 +1,10 @@
-import ast
-import os
-import subprocess
-import sys
-
 import torch
 
 import zpp_compile  # noqa: F401
 from zpp_compile.codegen.quantize import dequantize_int8_blocks, quantize_int8_blocks
 from zpp_compile.passes import qwz
 
-from .helpers import context, targets, trace
+from .helpers import call_targets_with_triton_kernels, context, targets, trace
 
 c10d = torch.ops._c10d_functional
 
@@ -38,8 +33,7 @@ def test_forward_gather_becomes_one_int8_gather_of_the_packed_payload(group_of_o
             assert "val" in node.meta, f"{node.name} lost its fake value"
 
 
-# Tracing a Triton kernel needs the compiled (not interpreted) Triton frontend, and this test
-# session runs Triton interpreted when there is no GPU: so this check runs in a fresh process.
+# Runs in a fresh process: see call_targets_with_triton_kernels.
 _TRACE_WITH_TRITON_KERNELS = """
 import torch
 from tests.passes.helpers import context, trace
@@ -54,13 +48,7 @@ print([n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"])
 
 
 def test_triton_kernels_enter_the_graph_as_user_kernels():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["ZPP_QUANT_KERNELS"] = "triton"  # what a CUDA shard gets without the override
-    done = subprocess.run(
-        [sys.executable, "-c", _TRACE_WITH_TRITON_KERNELS], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    targets = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    targets = call_targets_with_triton_kernels(_TRACE_WITH_TRITON_KERNELS)
     kernels = [t for t in targets if t == "triton_kernel_wrapper_functional"]
     assert len(kernels) == 2, f"quantize and dequantize must reach Inductor as Triton kernels: {targets}"
     assert targets.count("all_gather_into_tensor.default") == 1

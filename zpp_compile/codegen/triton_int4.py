@@ -35,10 +35,15 @@ _TILE_ELEMENTS = 4096
 
 @triton.jit
 def _quantize_store(
-    lo, hi, rows, halves, keep, payload_row, error_row, n_blocks,
-    BLOCK: tl.constexpr, STORE_ERROR: tl.constexpr,
+    lo, hi, rows, halves, keep, residual_row, payload_row, error_row, n_blocks,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    """Quantize ROWS blocks given as their even (lo) and odd (hi) elements; store bytes and scales."""
+    """Quantize ROWS blocks given as their even (lo) and odd (hi) elements; store bytes and scales.
+    With a residual (error feedback), add it first and store the new error too."""
+    if HAS_RESIDUAL:
+        res_lo, res_hi = _load_pairs(residual_row, rows, halves, keep, BLOCK)
+        lo += res_lo
+        hi += res_hi
     absmax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
     has_nan = tl.max(((lo != lo) | (hi != hi)).to(tl.int32), axis=1) > 0
     divisor, stored_scale = block_scales(absmax, has_nan, QMAX)
@@ -48,7 +53,7 @@ def _quantize_store(
     tl.store(payload_row + rows[:, None] * (BLOCK // 2) + halves[None, :], byte, mask=keep)
     scale_ptr = (payload_row + n_blocks * (BLOCK // 2)).to(tl.pointer_type(tl.float32), bitcast=True)
     tl.store(scale_ptr + rows, stored_scale, mask=rows < n_blocks)
-    if STORE_ERROR:
+    if HAS_RESIDUAL:
         even = rows[:, None] * BLOCK + 2 * halves[None, :]
         tl.store(error_row + even, lo - q_lo * stored_scale[:, None], mask=keep)
         tl.store(error_row + even + 1, hi - q_hi * stored_scale[:, None], mask=keep)
@@ -74,13 +79,9 @@ def _quantize_swizzled_kernel(
     halves = tl.arange(0, HALF_P2)
     keep = (rows[:, None] < n_blocks) & (halves[None, :] < BLOCK // 2)
     lo, hi = _load_pairs(values_ptr + source_row * chunk, rows, halves, keep, BLOCK)
-    if HAS_RESIDUAL:
-        res_lo, res_hi = _load_pairs(residual_ptr + out_row * chunk, rows, halves, keep, BLOCK)
-        lo += res_lo
-        hi += res_hi
     _quantize_store(
-        lo, hi, rows, halves, keep, payload_ptr + out_row * payload_numel, error_ptr + out_row * chunk, n_blocks,
-        BLOCK=BLOCK, STORE_ERROR=HAS_RESIDUAL,
+        lo, hi, rows, halves, keep, residual_ptr + out_row * chunk, payload_ptr + out_row * payload_numel,
+        error_ptr + out_row * chunk, n_blocks, BLOCK=BLOCK, HAS_RESIDUAL=HAS_RESIDUAL,
     )  # fmt: skip
 
 
@@ -111,13 +112,9 @@ def _dequantize_reduce_kernel(
         lo += next_lo
         hi += next_hi
     if REQUANTIZE:
-        if HAS_RESIDUAL:
-            res_lo, res_hi = _load_pairs(residual_ptr + row * chunk, rows, halves, keep, BLOCK)
-            lo += res_lo
-            hi += res_hi
         _quantize_store(
-            lo, hi, rows, halves, keep, out_ptr + row * payload_numel, error_ptr + row * chunk, n_blocks,
-            BLOCK=BLOCK, STORE_ERROR=HAS_RESIDUAL,
+            lo, hi, rows, halves, keep, residual_ptr + row * chunk, out_ptr + row * payload_numel,
+            error_ptr + row * chunk, n_blocks, BLOCK=BLOCK, HAS_RESIDUAL=HAS_RESIDUAL,
         )  # fmt: skip
     else:
         even = rows[:, None] * BLOCK + 2 * halves[None, :]
