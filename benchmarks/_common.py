@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 
@@ -18,3 +25,30 @@ def step_peak_bytes(step: Callable[[], None]) -> int:
         live += record.nbytes()
         peak = max(peak, live)
     return peak
+
+
+def benchmark_parser(description: str) -> argparse.ArgumentParser:
+    """The options every multi-process benchmark takes, plus the hidden worker ones."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p
+
+
+def run_workers(script: str, nproc: int, worker_args: list[str]) -> list[dict]:
+    """Run `script --worker --out FILE *worker_args` on nproc CPU processes under torchrun and
+    return what rank 0 wrote to FILE (JSON)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               script, "--worker", "--out", out, *worker_args]  # fmt: skip
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        return json.loads(Path(out).read_text())
+
+
+def publish(text: str, doc: str, title: str) -> None:
+    """Print a benchmark's markdown and write it to docs/<doc> under `title`."""
+    print(text)
+    (Path(__file__).resolve().parent.parent / "docs" / doc).write_text(f"# {title}\n\n{text}\n")

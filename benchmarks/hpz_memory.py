@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import benchmark_parser, publish, run_workers, step_peak_bytes  # noqa: E402
 
 CONFIGS = {
     "ZeRO-3": {},
@@ -49,8 +48,6 @@ def _weights_saved_bytes(record) -> int:
 
 
 def measure(label: str, options: dict, args: argparse.Namespace) -> dict:
-    from benchmarks._common import step_peak_bytes
-
     import torch
     import torch.distributed as dist
 
@@ -145,24 +142,13 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--ranks-per-node", type=int, default=2)
+    p = benchmark_parser(__doc__)
     p.add_argument("--hpz", type=int, default=2)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "hpz_memory.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, "--worker", "--out", out, "--ranks-per-node", str(args.ranks_per_node), "--hpz", str(args.hpz)]  # fmt: skip
-        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        results = json.loads(Path(out).read_text())
-    text = table(results, args)
-    print(text)
-    (ROOT / "docs" / "hpz_memory.md").write_text("# hpZ: memory and bytes per rank\n\n" + text + "\n")
+    results = run_workers(__file__, args.nproc, ["--ranks-per-node", str(args.ranks_per_node), "--hpz", str(args.hpz)])
+    publish(table(results, args), "hpz_memory.md", "hpZ: memory and bytes per rank")
 
 
 if __name__ == "__main__":

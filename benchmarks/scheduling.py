@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import benchmark_parser, publish, run_workers, step_peak_bytes  # noqa: E402
 
 OFF = {"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0, "prefetch_limit": 0}
 ZERO_PP = {"quantize_weights": True, "hpz_size": 2, "quantize_gradients": True}
@@ -67,8 +66,6 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import zpp_compile
-    from benchmarks._common import step_peak_bytes
-
     dist.init_process_group("gloo")
     runs = [build(label, options, args) for label, options in CONFIGS.items()]
     counter = zpp_compile.comm_counter()
@@ -128,25 +125,13 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--ranks-per-node", type=int, default=2)
+    p = benchmark_parser(__doc__)
     p.add_argument("--steps", type=int, default=15)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "scheduling.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, "--worker", "--out", out, "--ranks-per-node", str(args.ranks_per_node),
-               "--steps", str(args.steps)]  # fmt: skip
-        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        results = json.loads(Path(out).read_text())
-    text = table(results, args)
-    print(text)
-    (ROOT / "docs" / "scheduling.md").write_text("# Scheduling passes: step time and memory\n\n" + text + "\n")
+    results = run_workers(__file__, args.nproc, ["--ranks-per-node", str(args.ranks_per_node), "--steps", str(args.steps)])
+    publish(table(results, args), "scheduling.md", "Scheduling passes: step time and memory")
 
 
 if __name__ == "__main__":
