@@ -13,7 +13,8 @@ from .models import gpt_loss_curve
 from .workers import reset_process_state
 
 UNSCHEDULED = {"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0, "prefetch_limit": 0}
-ZERO_PP = {"ranks_per_node": 2, "quantize_weights": True, "hpz_size": 2, "quantize_gradients": True}
+# aot_eager: the same passes without Inductor's compile time (the zero3 case runs Inductor).
+ZERO_PP = {"ranks_per_node": 2, "quantize_weights": True, "hpz_size": 2, "quantize_gradients": True, "lowering": "aot_eager"}
 
 
 def scheduled_and_unscheduled(options: dict, steps: int) -> dict:

@@ -1,0 +1,195 @@
+"""Two simulated nodes on one machine: network namespaces joined by a rate-limited veth link.
+
+    sudo python benchmarks/cluster.py [--rates 100mbit,1gbit,none] [--steps 6]
+
+Builds namespaces zpp_node0 and zpp_node1, joined by the veth pair zpp_veth0 <-> zpp_veth1
+(10.77.0.1 and 10.77.0.2, addresses that exist only inside the namespaces), and limits both ends
+with `tc qdisc ... tbf` (netem is not available in this kernel). Each namespace runs torchrun
+--nnodes 2 with 2 ranks and GLOO_SOCKET_IFNAME set to its veth end: traffic between the two ranks
+of a node stays inside its namespace, traffic between nodes crosses the link. The namespaces are
+removed afterwards, also when a run fails or is interrupted. Needs root (ip netns, tc).
+
+For each link rate, every config (zeropp ZeRO-3, + qwZ, + hpZ, + qgZ, all three; FSDP2 and DDP in
+fp32 and with bf16 communication) trains the same GPT on the same data in the same processes,
+timed round-robin. Per step the bytes that crossed the link are read from zpp_veth0's counters
+(tx + rx), next to what the communication counter says crossed. Writes docs/benchmarks.md and,
+with matplotlib, docs/benchmarks.png (step time against link rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+NAMESPACES = ("zpp_node0", "zpp_node1")
+VETHS = ("zpp_veth0", "zpp_veth1")
+ADDRESSES = ("10.77.0.1", "10.77.0.2")
+MASTER_PORT = 29571
+BURST = "1mbit"  # what reached line rate with tbf on this machine
+
+
+def _ip(*args: str, namespace: Optional[str] = None, check: bool = True) -> subprocess.CompletedProcess:
+    prefix = ["ip", "netns", "exec", namespace] if namespace else []
+    return subprocess.run([*prefix, *args], check=check, capture_output=True, text=True)
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise SystemExit(
+            "benchmarks/cluster.py builds network namespaces and shapes a veth link with tc, which "
+            "needs root: run it with sudo (or as root in a container with CAP_NET_ADMIN)."
+        )
+
+
+def remove_cluster() -> None:
+    """Delete both namespaces (their veth ends and qdiscs go with them); quiet if absent."""
+    for namespace in NAMESPACES:
+        _ip("ip", "netns", "del", namespace, check=False)
+
+
+@contextlib.contextmanager
+def two_node_cluster() -> Iterator[None]:
+    """The two namespaces and the link between them, removed on exit, error or SIGTERM."""
+    require_root()
+    remove_cluster()  # left over from a run that was killed
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        for namespace in NAMESPACES:
+            _ip("ip", "netns", "add", namespace)
+        _ip("ip", "link", "add", VETHS[0], "type", "veth", "peer", "name", VETHS[1])
+        for namespace, veth, address in zip(NAMESPACES, VETHS, ADDRESSES):
+            _ip("ip", "link", "set", veth, "netns", namespace)
+            _ip("ip", "addr", "add", f"{address}/24", "dev", veth, namespace=namespace)
+            _ip("ip", "link", "set", veth, "up", namespace=namespace)
+            _ip("ip", "link", "set", "lo", "up", namespace=namespace)
+        yield
+    finally:
+        remove_cluster()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def set_link_rate(rate: Optional[str]) -> None:
+    """Limit both directions of the link to `rate` (tc syntax, e.g. "100mbit"); None: unshaped."""
+    for namespace, veth in zip(NAMESPACES, VETHS):
+        _ip("tc", "qdisc", "del", "dev", veth, "root", namespace=namespace, check=False)
+        if rate is not None:
+            _ip("tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", rate, "burst", BURST, "latency", "100ms",
+                namespace=namespace)  # fmt: skip
+
+
+def launch(node: int, worker: list[str], nproc_per_node: int) -> subprocess.Popen:
+    """torchrun for one node inside its namespace, rendezvous at node 0's address."""
+    cmd = ["ip", "netns", "exec", NAMESPACES[node], sys.executable, "-m", "torch.distributed.run",
+           "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(nproc_per_node),
+           "--master-addr", ADDRESSES[0], "--master-port", str(MASTER_PORT), *worker]  # fmt: skip
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=VETHS[node], OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, env=env)
+
+
+def run_on_cluster(worker: list[str], nproc_per_node: int, timeout_s: float) -> None:
+    """Run `worker` (a script and its arguments) as a 2-node job; raise if either node fails."""
+    nodes = [launch(node, worker, nproc_per_node) for node in range(2)]
+    try:
+        codes = [p.wait(timeout=timeout_s) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    if any(codes):
+        raise RuntimeError(f"a node failed (exit codes {codes}); see the output above")
+
+
+def link_bytes() -> int:
+    """Bytes that crossed the link so far, both directions (read on node 0's end: call it there)."""
+    stats = Path("/sys/class/net") / VETHS[0] / "statistics"
+    return sum(int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes"))
+
+
+def measure_rates(rates: list[Optional[str]], steps: int, configs: str, timeout_s: float) -> dict:
+    """{rate: the worker's results} for each link rate, on one cluster."""
+    import json
+    import tempfile
+
+    results = {}
+    with two_node_cluster(), tempfile.TemporaryDirectory() as tmp:
+        for rate in rates:
+            set_link_rate(rate)
+            out = os.path.join(tmp, f"{rate}.json")
+            worker = [str(ROOT / "benchmarks" / "cluster_worker.py"), "--out", out, "--steps", str(steps), "--configs", configs]
+            run_on_cluster(worker, nproc_per_node=2, timeout_s=timeout_s)
+            results[rate or "unshaped"] = json.loads(Path(out).read_text())
+    return results
+
+
+def table(results: dict, command: str) -> str:
+    mb = 1e6
+    lines = [
+        f"`{command}` (GPT 3.3M params, 4 ranks = 2 namespaces x 2, gloo over a tbf-limited veth; medians "
+        "of round-robin steps after warm-up; step time = slowest rank; link bytes = both directions of "
+        "the veth, counted = the communication counter's inter-node bytes summed over ranks)",
+    ]
+    for rate, configs in results.items():
+        fsdp, ddp = configs.get("FSDP2 fp32"), configs.get("DDP fp32")
+        lines += ["", f"### link {rate}", "",
+                  "| config | step ms | vs FSDP2 fp32 | vs DDP fp32 | link MB/step | counted inter MB/step | first step s |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for name, r in configs.items():
+            vs = [f"{r['step_s'] / b['step_s']:.2f}" if b else "-" for b in (fsdp, ddp)]
+            lines.append(
+                f"| {name} | {r['step_s'] * 1e3:.0f} | {vs[0]} | {vs[1]} | {r['link_bytes'] / mb:.2f} | "
+                f"{r['counted_inter_bytes'] / mb:.2f} | {r['first_step_s']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rates = list(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in next(iter(results.values())):
+        ax.plot(rates, [results[r][name]["step_s"] * 1e3 for r in rates], marker="o", label=name, linewidth=1)
+    ax.set_xlabel("inter-node link")
+    ax.set_ylabel("median step ms")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    from benchmarks.cluster_worker import CONFIGS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="100mbit,1gbit,none", help="tc rates, 'none' for an unshaped link")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per link rate")
+    args = p.parse_args()
+    rates = [None if r == "none" else r for r in args.rates.split(",")]
+    results = measure_rates(rates, args.steps, args.configs, args.timeout)
+    command = f"sudo python benchmarks/cluster.py --rates {args.rates} --steps {args.steps}"
+    text = table(results, command)
+    if plot(results, ROOT / "docs" / "benchmarks.png"):
+        text += "\n\n![step time against link rate](benchmarks.png)"
+    print(text)
+    (ROOT / "docs" / "benchmarks.md").write_text("# Two-node cluster: zeropp against FSDP2 and DDP\n\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""One rank of the two-node cluster benchmark (benchmarks/cluster.py launches it under torchrun).
+
+Builds every config's model in this process (same seed, same data), warms each up (the first step
+includes compilation: its time is the compile-time figure), then times the configs' steps
+round-robin. Around each step: a barrier, then rank 0 reads the link's byte counters, so each
+window holds one config's step only. The step time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import zpp_compile  # noqa: E402
+from benchmarks.cluster import link_bytes  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+ZERO_PP = {"quantize_weights": True, "hpz_size": 2, "quantize_gradients": True}
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "zeropp ZeRO-3": ("zeropp", {}),
+    "zeropp + qwZ": ("zeropp", {"quantize_weights": True}),
+    "zeropp + hpZ": ("zeropp", {"hpz_size": 2}),
+    "zeropp + qgZ": ("zeropp", {"quantize_gradients": True}),
+    "zeropp qwZ+hpZ+qgZ": ("zeropp", ZERO_PP),
+    "FSDP2 fp32": ("fsdp2", {}),
+    "FSDP2 bf16": ("fsdp2", {"bf16": True}),
+    "DDP fp32": ("ddp", {}),
+    "DDP bf16 comm": ("ddp", {"bf16": True}),
+    "DDP + Inductor": ("ddp", {"compile": True}),
+}
+MODEL = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=256)
+BATCH = 4  # sequences per rank per step
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(MODEL)
+
+
+def _zeropp(options: dict) -> tuple[torch.nn.Module, Callable]:
+    model = zpp_compile.shard(_model(), zpp_compile.Config(ranks_per_node=2, **options))
+    return model, torch.compile(model, backend="zeropp")
+
+
+def _fsdp2(options: dict) -> tuple[torch.nn.Module, Callable]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _model()
+    bf16 = torch.bfloat16 if options.get("bf16") else None
+    policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model, model
+
+
+def _bf16_all_reduce_hook(_, bucket):
+    """DDP's bucket all-reduce in bf16 (PyTorch's bf16_compress_hook refuses anything but NCCL)."""
+    world = dist.get_world_size()
+    compressed = bucket.buffer().to(torch.bfloat16).div_(world)
+
+    def decompress(future):
+        return bucket.buffer().copy_(future.value()[0])
+
+    return dist.all_reduce(compressed, async_op=True).get_future().then(decompress)
+
+
+def _ddp(options: dict) -> tuple[torch.nn.Module, Callable]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_model())
+    if options.get("bf16"):
+        model.register_comm_hook(None, _bf16_all_reduce_hook)
+    return model, torch.compile(model) if options.get("compile") else model
+
+
+BUILDERS = {"zeropp": _zeropp, "fsdp2": _fsdp2, "ddp": _ddp}
+
+
+def build_step(kind: str, options: dict) -> Callable[[torch.Tensor], float]:
+    model, run = BUILDERS[kind](options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(tokens: torch.Tensor) -> float:
+        loss = run(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _sum(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def measure(step: Callable, tokens: torch.Tensor) -> dict:
+    """One step: its time (slowest rank), the link's bytes (rank 0's counters) and the counter's."""
+    counter = zpp_compile.comm_counter()
+    dist.barrier()
+    before = link_bytes() if dist.get_rank() == 0 else 0
+    counter.reset()
+    start = time.perf_counter()
+    loss = step(tokens)
+    seconds = time.perf_counter() - start
+    dist.barrier()
+    crossed = link_bytes() - before if dist.get_rank() == 0 else 0
+    return {"s": _slowest(seconds), "link": crossed, "counted": _sum(counter.bytes(locality="inter")), "loss": loss}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    names = args.configs.split(",")
+    tokens = torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.block_size + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
+    steps, first = {}, {}
+    for name in names:
+        steps[name] = build_step(*CONFIGS[name])
+        first[name] = measure(steps[name], tokens)["s"]
+        measure(steps[name], tokens)
+    samples = {name: [] for name in names}
+    for _ in range(args.steps):
+        for name in names:
+            samples[name].append(measure(steps[name], tokens))
+    if dist.get_rank() == 0:
+        results = {
+            name: {
+                "first_step_s": first[name],
+                "step_s": statistics.median(s["s"] for s in rows),
+                "link_bytes": statistics.median(s["link"] for s in rows),
+                "counted_inter_bytes": statistics.median(s["counted"] for s in rows),
+                "loss": rows[-1]["loss"],
+            }
+            for name, rows in samples.items()
+        }
+        Path(args.out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
