@@ -2,9 +2,9 @@
 
     python benchmarks/qgz_convergence.py [--nproc 4] [--ranks-per-node 2] [--steps 200]
 
-Runs examples/train_gpt.py three times back to back (same seed, same data, simulated nodes):
-Config(), Config(quantize_gradients=True) and the same with qgz_error_feedback=True, and writes
-the loss curves to
+Runs examples/train_gpt.py five times back to back (same seed, same data, simulated nodes):
+Config(), Config(quantize_gradients=True), the same with qgz_error_feedback=True, and all of
+ZeRO++ (qwZ + hpZ 2 + qgZ) without and with error feedback, and writes the loss curves to
 docs/qgz_convergence.md (table every 20 steps, final validation loss, bytes per step) and, when
 matplotlib is installed, docs/qgz_convergence.png.
 """
@@ -21,9 +21,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = {"fp32 reduce-scatter": [], "qgZ (int4 all-to-all)": ["--qgz"], "qgZ + error feedback": ["--qgz-ef"]}
+ZERO_PP = ["--qwz", "--hpz", "2"]
+RUNS = {"fp32 reduce-scatter": [], "qgZ (int4 all-to-all)": ["--qgz"], "qgZ + error feedback": ["--qgz-ef"],
+        "qwZ+hpZ+qgZ": [*ZERO_PP, "--qgz"], "qwZ+hpZ+qgZ + error feedback": [*ZERO_PP, "--qgz-ef"]}  # fmt: skip
 MODES = {"fp32 reduce-scatter": "compiled-inductor", "qgZ (int4 all-to-all)": "compiled-inductor+qgz",
-         "qgZ + error feedback": "compiled-inductor+qgz-ef"}  # fmt: skip
+         "qgZ + error feedback": "compiled-inductor+qgz-ef", "qwZ+hpZ+qgZ": "compiled-inductor+qwz+hpz2+qgz",
+         "qwZ+hpZ+qgZ + error feedback": "compiled-inductor+qwz+hpz2+qgz-ef"}  # fmt: skip
 
 
 def train(label: str, args: argparse.Namespace, out_dir: str) -> tuple[dict, list[float]]:
@@ -81,15 +84,18 @@ def main() -> None:
         row = [curves[label][step - 1] for label in labels]
         gaps = [f"{(v - row[0]) / row[0]:+.2%}" for v in row[1:]]
         lines.append(f"| {step} | " + " | ".join(f"{v:.4f}" for v in row) + " | " + " | ".join(gaps) + " |")
-    lines += ["", "| run | validation loss | sent MB/rank/step | median step ms |", "| --- | --- | --- | --- |"]
-    for label, (summary, _) in results.items():
-        lines.append(f"| {label} | {summary['val_loss']:.4f} | {summary['sent_mb_per_rank_step']:.2f} | "
+    lines += ["", "| run | final train loss / fp32's | validation loss | / fp32's | sent MB/rank/step | median step ms |",
+              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    base_train, base_val = curves[labels[0]][-1], results[labels[0]][0]["val_loss"]
+    for label, (summary, losses) in results.items():
+        lines.append(f"| {label} | {losses[-1] / base_train:.4f} | {summary['val_loss']:.4f} | "
+                     f"{summary['val_loss'] / base_val:.4f} | {summary['sent_mb_per_rank_step']:.2f} | "
                      f"{summary['median_step_ms']:.0f} |")
     if plot(curves, ROOT / "docs" / "qgz_convergence.png"):
         lines += ["", "![loss curves](qgz_convergence.png)"]
     text = "\n".join(lines)
     print(text)
-    (ROOT / "docs" / "qgz_convergence.md").write_text("# qgZ convergence\n\n" + text + "\n")
+    (ROOT / "docs" / "qgz_convergence.md").write_text("# Convergence: qgZ, and qwZ+hpZ+qgZ, against fp32\n\n" + text + "\n")
 
 
 if __name__ == "__main__":
