@@ -27,5 +27,6 @@ def bucket_by_bytes(nodes: list[fx.Node], nbytes: Callable[[fx.Node], int], cap:
 
 
 def tensor_bytes(node: fx.Node) -> int:
+    """Bytes of the tensor a node produces (its fake value)."""
     value = node.meta["val"]
     return value.numel() * value.element_size()

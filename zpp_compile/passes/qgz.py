@@ -39,7 +39,7 @@ from ..ops import padded_numel
 from ..topology import Topology
 from .buckets import bucket_by_bytes
 from .context import PassContext
-from .graph_utils import calls, finish, inline_traced, replace_node
+from .graph_utils import c10d, calls, finish, inline_traced, replace_node
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,6 @@ def _store_error(error: Optional[Tensor], slot: Optional[int], stores: list[Tens
 
 
 def _all_to_all(payload: Tensor, group_size: int, group_name: str) -> Tensor:
-    c10d = torch.ops._c10d_functional
     flat = payload.reshape(-1)
     splits = [flat.numel() // group_size] * group_size
     return c10d.wait_tensor(c10d.all_to_all_single(flat, splits, splits, group_name))

@@ -22,6 +22,7 @@ import logging
 import torch.fx as fx
 
 from ..comm import group_ranks
+from .buckets import tensor_bytes
 from .context import PassContext
 from .graph_utils import COLLECTIVE_STARTS, finish, is_call
 
@@ -81,8 +82,8 @@ def _unpacking_chain(wait: fx.Node) -> set[fx.Node]:
 
 def _hoist_start(start: fx.Node, earlier: list[fx.Node], ctx: PassContext) -> None:
     chain = _preparing_chain(start)
-    order = _positions(start.graph)
     nodes = list(start.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
     inputs = [order[arg] for n in chain for arg in n.all_input_nodes if arg not in chain]
     floor = max(inputs + [_last_placeholder(nodes)])
     if earlier:
@@ -118,9 +119,9 @@ def _in_flight_floor(start: fx.Node, earlier: list[fx.Node], order: dict[fx.Node
     that the bytes in flight stay under prefetch_bytes."""
     limit, budget = ctx.config.prefetch_limit, ctx.config.prefetch_bytes
     floor = order[_wait_of(earlier[-limit])] if len(earlier) >= limit else -1
-    in_flight = _received_bytes(start)
+    in_flight = tensor_bytes(start)
     for previous in reversed(earlier):
-        in_flight += _received_bytes(previous)
+        in_flight += tensor_bytes(previous)
         if in_flight > budget:
             return max(floor, order[_wait_of(previous)])
     return floor
@@ -144,11 +145,6 @@ def _transfer_seconds(start: fx.Node, ctx: PassContext) -> float:
     sent = start.args[0].meta["val"]
     nodes = {rank // ctx.topology.ranks_per_node for rank in group_ranks(start.args[-1])}
     return ctx.cost_model.collective_seconds(sent.numel() * sent.element_size(), crosses_nodes=len(nodes) > 1)
-
-
-def _received_bytes(start: fx.Node) -> int:
-    value = start.meta["val"]
-    return value.numel() * value.element_size()
 
 
 def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
