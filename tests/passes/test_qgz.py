@@ -120,3 +120,20 @@ def test_triton_int4_kernels_enter_the_graph_as_user_kernels():
     # quantize_swizzled, the fused dequantize-reduce-requantize, and the final dequantize_reduce
     assert targets.count("triton_kernel_wrapper_functional") == 3, targets
     assert targets.count("all_to_all_single.default") == 2
+
+
+def test_a_16_bit_gradient_crosses_nodes_as_a_quarter_of_its_bytes_plus_scales():
+    """The int4 payload does not depend on the gradient's dtype: 1/4 of bf16 bytes, 1/8 of fp32."""
+    topology = Topology(4, 1, 2, "world", node_group_name="node_0", cross_node_group_name="local_1")
+
+    def backward(grad):
+        return torch.ops.zpp.reduce_grad(grad, 1024, 4, "world")
+
+    gm = qgz(trace(backward, torch.randn(1024, dtype=torch.bfloat16)), _context(topology))
+    cross = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default and n.args[-1] == "local_1"]
+    (payload,) = [n.args[0].meta["val"] for n in cross]
+    sent_to_the_other_node = payload.numel() // 2  # [2 nodes, P]: one row stays, one crosses
+    shard_bf16_bytes = 256 * 2
+    assert sent_to_the_other_node == chunk_payload_numel(256, 64) == shard_bf16_bytes // 4 + 4 * (256 // 64)
+    (result,) = gm.graph.output_node().args
+    assert result.meta["val"].dtype == torch.bfloat16
