@@ -28,6 +28,8 @@ from .models import OddMLP
         ({"qgz_error_feedback": True}, ValueError, "qgz_error_feedback=True needs quantize_gradients=True"),
         ({"gradient_block_size": 100}, ValueError, "gradient_block_size=100 must be a multiple of 8"),
         ({"lowering": "tvm"}, ValueError, "use 'inductor' or 'aot_eager'"),
+        ({"param_dtype": torch.int8}, ValueError, "param_dtype=torch.int8 is not a floating-point torch dtype"),
+        ({"reduce_dtype": "bf16"}, ValueError, "use torch.bfloat16"),
     ],
 )
 def test_config_values_out_of_range(kwargs, error, message):

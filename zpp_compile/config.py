@@ -6,6 +6,8 @@ import dataclasses
 import os
 from typing import Literal, Optional
 
+import torch
+
 Lowering = Literal["inductor", "aot_eager"]
 
 
@@ -49,6 +51,15 @@ class Config:
         check_schedule: debug mode: before a compiled graph first runs, every rank compares the
             list of its collectives with the others' (also on with ZPP_CHECK_SCHEDULE=1); a
             mismatch raises an error naming the first differing collective, instead of hanging.
+        param_dtype: mixed precision, in the spirit of FSDP2's MixedPrecisionPolicy: the shards
+            (which the optimizer steps on) keep their dtype, e.g. fp32 masters; each gather casts
+            the shard to param_dtype first, so the wire and the forward/backward compute carry
+            it. qwZ quantizes straight from the master shard and dequantizes to param_dtype.
+            Floating-point inputs of the root module's forward are cast to it too (like FSDP2's
+            cast_forward_inputs), so float activations meet weights of their dtype. None: off.
+        reduce_dtype: the dtype gradients are reduce-scattered (averaged) in; None: param_dtype
+            (or the gradient's own dtype). The averaged shard gradient is then cast to the
+            shard's dtype. qgZ reads the gradient in this dtype and quantizes it to int4.
         ranks_per_node: ranks per node; None reads torchrun's LOCAL_WORLD_SIZE, else one node.
             Setting it simulates several nodes on one machine.
         save_gathered_weights: keep gathered full weights from forward for backward instead of
@@ -75,6 +86,8 @@ class Config:
     inter_node_gbps: Optional[float] = None
     compute_tflops: Optional[float] = None
     check_schedule: bool = False
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
     ranks_per_node: Optional[int] = None
     save_gathered_weights: bool = False
     lowering: Lowering = "inductor"
@@ -98,6 +111,8 @@ class Config:
         for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops"):
             _require_positive_or_none(self, name)
         _require_bool(self, "check_schedule")
+        _require_float_dtype_or_none(self, "param_dtype")
+        _require_float_dtype_or_none(self, "reduce_dtype")
         if self.hpz_size is not None:
             _require_int(self, "hpz_size", minimum=1)
         if self.ranks_per_node is not None:
@@ -146,6 +161,18 @@ def _require_int(config: Config, name: str, *, minimum: int) -> None:
         raise TypeError(f"Config.{name} must be an int, got {value!r}.")
     if value < minimum:
         raise ValueError(f"Config.{name}={value} is out of range: it must be >= {minimum}.")
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _require_float_dtype_or_none(config: Config, name: str) -> None:
+    value = getattr(config, name)
+    if value is not None and value not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"Config.{name}={value!r} is not a floating-point torch dtype; use torch.bfloat16, "
+            "torch.float16 or torch.float32 (or None for no mixed precision)."
+        )
 
 
 def _require_positive_or_none(config: Config, name: str) -> None:

@@ -8,6 +8,8 @@ passes in zpp_compile/passes lower to functional collectives (and, later, quanti
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -27,14 +29,28 @@ def padded_numel(numel: int, group_size: int) -> int:
 
 
 @torch.library.custom_op("zpp::gather_param", mutates_args=())
-def gather_param(shard: Tensor, numel: int, shape: list[int], group_size: int, group_name: str) -> Tensor:
-    """All-gather the flat shards of one parameter and return the full, unpadded weight."""
-    return _eager_all_gather(shard, group_size, group_name)[:numel].view(shape)
+def gather_param(
+    shard: Tensor,
+    numel: int,
+    shape: list[int],
+    group_size: int,
+    group_name: str,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """All-gather the flat shards of one parameter and return the full, unpadded weight.
+
+    Mixed precision (Config.param_dtype / reduce_dtype): `dtype` is the dtype the shard is cast to
+    before the gather (so the wire and the compute carry it); the gradient is cast to
+    `reduce_dtype` before its reduce-scatter. Both None: the shard's own dtype throughout.
+    """
+    return _eager_all_gather(shard.to(dtype or shard.dtype), group_size, group_name)[:numel].view(shape)
 
 
 @gather_param.register_fake
-def _(shard: Tensor, numel: int, shape: list[int], group_size: int, group_name: str) -> Tensor:
-    return shard.new_empty(shape)
+def _(shard, numel, shape, group_size, group_name, *, dtype=None, reduce_dtype=None) -> Tensor:
+    return shard.new_empty(shape, dtype=dtype or shard.dtype)
 
 
 @torch.library.custom_op("zpp::gather_quantized_param", mutates_args=())
@@ -112,12 +128,16 @@ def pad_flat(flat: Tensor, target_numel: int) -> Tensor:
     return torch.nn.functional.pad(flat, (0, target_numel - flat.numel()))
 
 
-def _setup_gather_context(ctx, inputs, output) -> None:
+def _setup_gather_context(ctx, inputs, keyword_only_inputs, output) -> None:
     _, ctx.numel, _, ctx.group_size, ctx.group_name = inputs
+    ctx.reduce_dtype = keyword_only_inputs.get("reduce_dtype")
 
 
 def _gather_backward(ctx, grad: Tensor):
-    grad_shard = torch.ops.zpp.reduce_grad(grad.contiguous(), ctx.numel, ctx.group_size, ctx.group_name)
+    # A gradient returned in another dtype than the shard's is cast to it by autograd: after the
+    # reduce-scatter, so the reduction itself runs in reduce_dtype.
+    grad = grad.to(ctx.reduce_dtype or grad.dtype).contiguous()
+    grad_shard = torch.ops.zpp.reduce_grad(grad, ctx.numel, ctx.group_size, ctx.group_name)
     return grad_shard, None, None, None, None
 
 

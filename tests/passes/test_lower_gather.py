@@ -43,3 +43,15 @@ def test_graph_without_markers_is_returned_unchanged(group_of_one):
     gm = trace(lambda x: x.sin(), torch.randn(3))
     code = gm.code
     assert lower_gather(gm, context(group_of_one)).code == code
+
+
+def test_mixed_precision_casts_the_shard_before_the_wire(group_of_one):
+    def f(s):
+        return torch.ops.zpp.gather_param(s, 6, [3, 2], 1, group_of_one, dtype=torch.bfloat16)
+
+    shard = torch.randn(6)
+    gm = lower_gather(trace(f, shard), context(group_of_one))
+    (gather,) = [n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default]
+    assert gather.args[0].target == torch.ops.prims.convert_element_type.default
+    assert gather.args[0].meta["val"].dtype == torch.bfloat16, "the all-gather must carry bf16, not fp32"
+    assert torch.equal(gm(shard), shard.to(torch.bfloat16).view(3, 2))

@@ -59,3 +59,20 @@ def test_graph_is_unchanged_when_quantize_weights_is_off(group_of_one):
     gm, _, _ = _gather_graph(group_of_one)
     code = gm.code
     assert qwz(gm, context(group_of_one)).code == code
+
+
+def test_mixed_precision_quantizes_the_master_shard_and_dequantizes_to_param_dtype(group_of_one):
+    shard, x = torch.randn(200), torch.randn(3, 20, dtype=torch.bfloat16)
+
+    def f(shard, x):
+        return x @ torch.ops.zpp.gather_param(shard, 200, [10, 20], 1, group_of_one, dtype=torch.bfloat16).t()
+
+    gm = qwz(trace(f, shard, x), context(group_of_one, quantize_weights=True, weight_block_size=64))
+    (gather,) = [n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default]
+    assert gather.args[0].meta["val"].dtype == torch.int8
+    casts = [n for n in gm.graph.nodes if n.target == torch.ops.prims.convert_element_type.default]
+    assert all(c.args[0].op != "placeholder" for c in casts), "the fp32 master is quantized, not a bf16 copy of it"
+    q, scale = quantize_int8_blocks(shard, 64)  # from the fp32 master: no bf16 rounding before int8
+    expected_weight = dequantize_int8_blocks(q, scale, torch.bfloat16)[:200].view(10, 20)
+    assert gm(shard, x).dtype == torch.bfloat16
+    torch.testing.assert_close(gm(shard, x), x @ expected_weight.t())

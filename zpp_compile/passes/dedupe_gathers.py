@@ -55,4 +55,5 @@ def _changes_mode(node: fx.Node) -> bool:
 
 
 def _gather_key(node: fx.Node) -> tuple:
-    return (node.target, *(tuple(a) if isinstance(a, list) else a for a in node.args))
+    args = (tuple(a) if isinstance(a, list) else a for a in node.args)
+    return (node.target, *args, *sorted(node.kwargs.items(), key=lambda kv: kv[0]))

@@ -1,7 +1,8 @@
 """lower_gather: rewrite each parameter-gather marker into a functional all-gather.
 
-Before:  w = zpp.gather_param(shard, numel, shape, group_size, group_name)
-After:   g = _c10d_functional.all_gather_into_tensor(shard, group_size, group_name)
+Before:  w = zpp.gather_param(shard, numel, shape, group_size, group_name[, dtype=d])
+After:   shard = prims.convert_element_type(shard, d)   # only under mixed precision
+         g = _c10d_functional.all_gather_into_tensor(shard, group_size, group_name)
          g = _c10d_functional.wait_tensor(g)
          g = aten.slice(g, 0, 0, numel)        # only when the shards carry padding
          w = aten.view(g, shape)
@@ -24,6 +25,7 @@ def lower_gather(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _all_gather_weight(graph: fx.Graph, marker: fx.Node) -> fx.Node:
     shard, numel, shape, group_size, group_name = marker.args
+    shard = cast_for_gather(graph, shard, marker)
     full = all_gather_flat(graph, shard, group_size, group_name)
     if full.meta["val"].numel() != numel:
         full = insert_call(graph, aten.slice.Tensor, full, 0, 0, numel)
@@ -31,6 +33,14 @@ def _all_gather_weight(graph: fx.Graph, marker: fx.Node) -> fx.Node:
     # Keep the marker's tags (e.g. MUST_RECOMPUTE, stack trace) on the node that replaces it.
     weight.meta.update({k: v for k, v in marker.meta.items() if k != "val"})
     return weight
+
+
+def cast_for_gather(graph: fx.Graph, shard: fx.Node, marker: fx.Node) -> fx.Node:
+    """The shard in the gather's dtype (mixed precision: Config.param_dtype), cast before the wire."""
+    dtype = marker.kwargs.get("dtype")
+    if dtype is None or dtype == shard.meta["val"].dtype:
+        return shard
+    return insert_call(graph, torch.ops.prims.convert_element_type.default, shard, dtype)
 
 
 def all_gather_flat(graph: fx.Graph, shard: fx.Node, group_size: int, group_name: str) -> fx.Node:

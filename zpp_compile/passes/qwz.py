@@ -5,7 +5,8 @@ left to lower_gather and stay full precision.
 Before:  w = zpp.gather_param(shard, numel, shape, group_size, group_name)
 After:   payload = quantize_packed(shard)            int8 blocks + fp32 scales in one buffer
          gathered = wait_tensor(all_gather_into_tensor(payload))      one collective
-         w = dequantize_packed(gathered)[:numel].view(shape)          in the shard's dtype
+         w = dequantize_packed(gathered)[:numel].view(shape)          in the shard's dtype,
+                                                                       or Config.param_dtype
 The two kernels come from codegen.registry for the shard's device: on CPU plain torch code that
 Inductor fuses into one C++ kernel each; on CUDA the hand-written Triton kernels, traced as
 triton_kernel_wrapper_functional so that Inductor schedules them as kernels.
@@ -37,14 +38,22 @@ def qwz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def quantized_all_gather(
-    shard: Tensor, numel: int, shape: list[int], group_size: int, group_name: str, block: int, kernels: QuantKernels
+    shard: Tensor,
+    numel: int,
+    shape: list[int],
+    group_size: int,
+    group_name: str,
+    block: int,
+    kernels: QuantKernels,
+    dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    """qwZ's forward gather: quantize into the payload, one all-gather, dequantize to the shard's dtype.
+    """qwZ's forward gather: quantize into the payload, one all-gather, dequantize to `dtype`
+    (the shard's, or Config.param_dtype: the master shard itself is what gets quantized).
 
     Returns (full weight, the gathered int8 payloads); hpZ keeps a slice of the latter.
     """
     payload = kernels.quantize_packed(shard, block)
-    return gather_and_dequantize(payload, numel, shape, shard.numel(), block, shard.dtype, group_size, group_name, kernels)
+    return gather_and_dequantize(payload, numel, shape, shard.numel(), block, dtype, group_size, group_name, kernels)
 
 
 def gather_and_dequantize(
@@ -86,10 +95,12 @@ def inline_int8_gather(
     kernels = quant_kernels(source.meta["val"].device)
     if marker.target == torch.ops.zpp.gather_param.default:
         _, numel, shape, group_size, group_name = marker.args
-        layout = (numel, list(shape), source.meta["val"].numel(), block, source.meta["val"].dtype)
+        dtype = marker.kwargs.get("dtype") or source.meta["val"].dtype  # quantized from the master shard
+        layout = (numel, list(shape), source.meta["val"].numel(), block, dtype)
         fn = functools.partial(
             quantized_all_gather,
             numel=numel, shape=list(shape), group_size=group_size, group_name=group_name, block=block, kernels=kernels,
+            dtype=dtype,
         )  # fmt: skip
     else:
         _, numel, shape, shard_numel, block, dtype, group_size, group_name = marker.args
