@@ -6,10 +6,19 @@
 
 from . import ops as _ops  # noqa: F401  (registers the zpp:: custom ops)
 from .backend import BACKEND_NAME, NotShardedError, compiled_graphs, register as _register_backend, zeropp_backend
+from .checkpoint import (
+    CheckpointMismatchError,
+    FlatShardedTensor,
+    load_checkpoint,
+    load_optimizer_state_dict,
+    optimizer_state_dict,
+    save_checkpoint,
+)
 from .comm import Collective, CommCounter, comm_counter
 from .config import Config
 from .error_feedback import clear_error_feedback
 from .explain import explain
+from .faults import CollectiveError
 from .plan import CommPlan, peak_collective_bytes
 from .schedule_check import ScheduleMismatchError
 from .sharding import full_state_dict, is_sharded, shard
@@ -19,11 +28,14 @@ _register_backend()
 
 __all__ = [
     "BACKEND_NAME",
+    "CheckpointMismatchError",
     "Collective",
+    "CollectiveError",
     "CommCounter",
     "CommPlan",
     "Config",
     "DistributedNotInitializedError",
+    "FlatShardedTensor",
     "NotShardedError",
     "ScheduleMismatchError",
     "Topology",
@@ -33,7 +45,11 @@ __all__ = [
     "explain",
     "full_state_dict",
     "is_sharded",
+    "load_checkpoint",
+    "load_optimizer_state_dict",
+    "optimizer_state_dict",
     "peak_collective_bytes",
+    "save_checkpoint",
     "shard",
     "zeropp_backend",
 ]

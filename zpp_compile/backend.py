@@ -26,6 +26,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import comm, passes
+from .faults import explained_collective_failures
 from .plan import collectives_in
 from .schedule_check import check_schedule
 from .sharding import ShardedState, shard_spec, state_of_shard
@@ -152,7 +153,8 @@ def _counting(compiled: Callable, collectives: list[comm.Collective], ctx: passe
         if unchecked[0]:
             check_schedule(collectives, ctx.label)
             unchecked[0] = False
-        out = compiled(args)
+        with explained_collective_failures(f"compiled graph {ctx.label}", topology.collective_timeout_s):
+            out = compiled(args)
         counter.record(collectives, topology)
         return out
 

@@ -48,6 +48,11 @@ class Config:
         intra_node_gbps, inter_node_gbps, compute_tflops: the cost model's link bandwidths
             (Gbit/s per rank) and compute rate; None measures them once in shard() (the slowest
             rank's value, so every rank decides alike).
+        collective_timeout_s: how long a collective waits for a rank that does not arrive before
+            every waiting rank fails with a CollectiveError naming the graph (a rank that dies
+            fails its peers at once). shard() then creates zpp_compile's own process groups,
+            the world-wide one included, with this timeout. None: the default process group's
+            timeout (torch.distributed.init_process_group(timeout=...)) and its world group.
         check_schedule: debug mode: before a compiled graph first runs, every rank compares the
             list of its collectives with the others' (also on with ZPP_CHECK_SCHEDULE=1); a
             mismatch raises an error naming the first differing collective, instead of hanging.
@@ -85,6 +90,7 @@ class Config:
     intra_node_gbps: Optional[float] = None
     inter_node_gbps: Optional[float] = None
     compute_tflops: Optional[float] = None
+    collective_timeout_s: Optional[float] = None
     check_schedule: bool = False
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -108,7 +114,7 @@ class Config:
         _require_int(self, "reduce_bucket_bytes", minimum=0)
         _require_int(self, "prefetch_limit", minimum=0)
         _require_int(self, "prefetch_bytes", minimum=0)
-        for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops"):
+        for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops", "collective_timeout_s"):
             _require_positive_or_none(self, name)
         _require_bool(self, "check_schedule")
         _require_float_dtype_or_none(self, "param_dtype")
@@ -180,4 +186,4 @@ def _require_positive_or_none(config: Config, name: str) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"Config.{name}={value!r} must be a positive number, or None to measure it.")
+        raise ValueError(f"Config.{name}={value!r} must be a positive number, or None (see its docstring).")

@@ -17,6 +17,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import comm
 from .codegen.quantize import weight_from_payloads
+from .faults import explained_collective_failures
 from .topology import current_topology
 
 # torch 2.13 renamed the flat-tensor collectives; keep torch >= 2.11 working.
@@ -93,7 +94,8 @@ def reduce_grad(grad: Tensor, numel: int, group_size: int, group_name: str) -> T
     """Reduce-scatter a full gradient and average it over the group: this rank's flat grad shard."""
     flat = pad_flat(grad.reshape(-1), padded_numel(numel, group_size))
     out = flat.new_empty(flat.numel() // group_size)
-    _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+    with _explained("the eager reduce-scatter of a gradient"):
+        _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
     _record_eager("reduce_scatter", "backward", group_name, flat)
     return out.div_(group_size)
 
@@ -117,9 +119,14 @@ def _(x: Tensor) -> Tensor:
 
 def _eager_all_gather(shard: Tensor, group_size: int, group_name: str) -> Tensor:
     out = shard.new_empty(shard.numel() * group_size)
-    _all_gather(out, shard.contiguous(), group=_resolve_process_group(group_name))
+    with _explained("the eager all-gather of a parameter"):
+        _all_gather(out, shard.contiguous(), group=_resolve_process_group(group_name))
     _record_eager("all_gather", "forward", group_name, shard)
     return out
+
+
+def _explained(where: str):
+    return explained_collective_failures(where, current_topology().collective_timeout_s)
 
 
 def pad_flat(flat: Tensor, target_numel: int) -> Tensor:

@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from .codegen.quantize import quantize_packed
 from .config import Config
@@ -33,6 +34,8 @@ class ShardSpec:
 
     quantized_block is set when the shard is stored as its packed int8 payload
     (Config.quantize_frozen_weights); dtype is then the dtype it dequantizes to.
+    compute_dtype / reduce_dtype (mixed precision) are None where they equal the shard's dtype,
+    so a model without mixed precision traces exactly the graphs it did before.
     """
 
     fqn: str
@@ -42,6 +45,8 @@ class ShardSpec:
     group_name: str
     dtype: torch.dtype = torch.float32
     quantized_block: Optional[int] = None
+    compute_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
     plan_id: int = 0  # which shard() call made it: compiled graphs are specialised on it (see gather_full)
 
     @property
@@ -91,8 +96,25 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
             module._parameters[name] = shards[id(full)]
         if names:
             _route_reads_through_gather(module, names)
+    if config.param_dtype is not None:
+        model.register_forward_pre_hook(_inputs_caster(config.param_dtype), with_kwargs=True)
     model._zpp_state = state
+    from .checkpoint import install_state_dict_hooks  # state_dict()/load_state_dict() speak shards
+
+    install_state_dict_hooks(model)
     return model
+
+
+def _inputs_caster(dtype: torch.dtype):
+    """A forward pre-hook casting the root's floating-point tensor inputs to the compute dtype."""
+
+    def cast(x):
+        return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+    def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return cast_inputs
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -128,7 +150,7 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
         for name, p in module._parameters.items():
             if p is not None:
                 if id(p) not in gathered:
-                    gathered[id(p)] = gather_full(p).clone()
+                    gathered[id(p)] = gather_full(p, in_compute_dtype=False).clone()
                 out[_join(module_name, name)] = gathered[id(p)]
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
@@ -136,9 +158,15 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def gather_full(shard_param: Tensor) -> Tensor:
-    """The full parameter for a shard: the `zpp::gather_param` call every module read makes."""
+def gather_full(shard_param: Tensor, *, in_compute_dtype: bool = True) -> Tensor:
+    """The full parameter for a shard: the `zpp::gather_param` call every module read makes.
+
+    in_compute_dtype=False gathers the master values (the shard's dtype) even under mixed
+    precision: what export and checkpoints want.
+    """
     spec = shard_spec(shard_param)
+    if not in_compute_dtype:
+        spec = dataclasses.replace(spec, compute_dtype=None, reduce_dtype=None)
     # Branching on plan_id makes Dynamo guard on it: a graph compiled for one shard() call (its
     # Config, topology, cost model) is never reused for parameters of another, which would
     # otherwise match every tensor guard and silently run the first model's plan.
@@ -151,15 +179,22 @@ def gather_full(shard_param: Tensor) -> Tensor:
             list(spec.shape),
             spec.shard_numel,
             spec.quantized_block,
-            spec.dtype,
+            spec.compute_dtype or spec.dtype,
             spec.group_size,
             spec.group_name,
         )
-    return torch.ops.zpp.gather_param(shard_param, spec.numel, list(spec.shape), spec.group_size, spec.group_name)
+    dtypes = {k: v for k, v in (("dtype", spec.compute_dtype), ("reduce_dtype", spec.reduce_dtype)) if v is not None}
+    return torch.ops.zpp.gather_param(
+        shard_param, spec.numel, list(spec.shape), spec.group_size, spec.group_name, **dtypes
+    )
 
 
 def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config, plan_id: int) -> ShardSpec:
     stored_quantized = config.quantize_frozen_weights and not full.requires_grad and full.is_floating_point()
+    compute_dtype = config.param_dtype if full.is_floating_point() else None
+    compute_dtype = None if compute_dtype == full.dtype else compute_dtype
+    reduce_dtype = config.reduce_dtype if full.is_floating_point() else None
+    reduce_dtype = None if reduce_dtype == (compute_dtype or full.dtype) else reduce_dtype
     return ShardSpec(
         fqn=fqn,
         shape=tuple(full.shape),
@@ -168,6 +203,8 @@ def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config, plan_i
         group_name=topology.world_group_name,
         dtype=full.dtype,
         quantized_block=config.weight_block_size if stored_quantized else None,
+        compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype,
         plan_id=plan_id,
     )
 

@@ -11,6 +11,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from .config import Config
+from .faults import as_timedelta
 
 
 class DistributedNotInitializedError(RuntimeError):
@@ -44,6 +45,7 @@ class Topology:
     hpz_group_name: Optional[str] = None
     node_group_name: Optional[str] = None
     cross_node_group_name: Optional[str] = None
+    collective_timeout_s: Optional[float] = None  # the groups' timeout; None: the default group's
 
     @property
     def hpz_rank(self) -> int:
@@ -82,15 +84,28 @@ def build_topology(config: Config, *, collective: bool = True) -> Topology:
         _check_node_of_rank(launch, ranks_per_node)
     rank = dist.get_rank()
     hpz_size = _checked_hpz_size(config, ranks_per_node, world)
+    timeout_s = config.collective_timeout_s if collective else None
     return Topology(
         world_size=world,
         rank=rank,
         ranks_per_node=ranks_per_node,
-        world_group_name=dist.group.WORLD.group_name,
+        world_group_name=_world_group_name(world, timeout_s),
+        collective_timeout_s=timeout_s,
         hpz_size=hpz_size,
-        hpz_group_name=_hpz_group_name(world, rank, hpz_size),
-        **(_node_group_names(world, rank, ranks_per_node) if collective and config.quantize_gradients else {}),
+        hpz_group_name=_hpz_group_name(world, rank, hpz_size, timeout_s),
+        **(
+            _node_group_names(world, rank, ranks_per_node, timeout_s)
+            if collective and config.quantize_gradients
+            else {}
+        ),
     )
+
+
+def _world_group_name(world: int, timeout_s: Optional[float]) -> str:
+    """The default group, or (with Config.collective_timeout_s) a world-wide group of that timeout."""
+    if timeout_s is None:
+        return dist.group.WORLD.group_name
+    return shared_group(tuple(range(world)), timeout_s)
 
 
 def _launcher_layout() -> list[tuple[Optional[str], Optional[str]]]:
@@ -146,46 +161,52 @@ def _checked_hpz_size(config: Config, ranks_per_node: int, world: int) -> int:
     return config.hpz_size
 
 
-def _hpz_group_name(world: int, rank: int, hpz_size: int) -> Optional[str]:
+def _hpz_group_name(world: int, rank: int, hpz_size: int, timeout_s: Optional[float]) -> Optional[str]:
     """Create (once per process) the hpZ groups of hpz_size consecutive ranks; return this rank's."""
     if hpz_size == 1:
         return None
     mine = None
     for first in range(0, world, hpz_size):  # every rank creates every group, in the same order
         ranks = tuple(range(first, first + hpz_size))
-        group_name = shared_group(ranks)
+        group_name = shared_group(ranks, timeout_s)
         if rank in ranks:
             mine = group_name
     return mine
 
 
-def _node_group_names(world: int, rank: int, ranks_per_node: int) -> dict[str, Optional[str]]:
+def _node_group_names(
+    world: int, rank: int, ranks_per_node: int, timeout_s: Optional[float]
+) -> dict[str, Optional[str]]:
     """Create (once per process) every node group and every cross-node group; return this rank's."""
     if ranks_per_node == world:
-        return {"node_group_name": dist.group.WORLD.group_name, "cross_node_group_name": None}
+        return {"node_group_name": _world_group_name(world, timeout_s), "cross_node_group_name": None}
     nodes = range(0, world, ranks_per_node)
-    node_groups = [shared_group(tuple(range(first, first + ranks_per_node))) for first in nodes]
-    cross_groups = [shared_group(tuple(range(local, world, ranks_per_node))) for local in range(ranks_per_node)]
+    node_groups = [shared_group(tuple(range(first, first + ranks_per_node)), timeout_s) for first in nodes]
+    cross_groups = [
+        shared_group(tuple(range(local, world, ranks_per_node)), timeout_s) for local in range(ranks_per_node)
+    ]
     return {
         "node_group_name": node_groups[rank // ranks_per_node],
         "cross_node_group_name": cross_groups[rank % ranks_per_node],
     }
 
 
-_GROUPS: dict[tuple[int, ...], Optional[str]] = {}
+_GROUPS: dict[tuple[tuple[int, ...], Optional[float]], Optional[str]] = {}
 
 
-def shared_group(ranks: tuple[int, ...]) -> Optional[str]:
-    """The name of the process group of `ranks` (None on ranks outside it), created on first use.
+def shared_group(ranks: tuple[int, ...], timeout_s: Optional[float] = None) -> Optional[str]:
+    """The name of the process group of `ranks` (None on ranks outside it), created on first use,
+    with collective timeout `timeout_s` (None: the default group's).
 
     Collective on first use: every rank of the world must ask for the same groups in the same order.
     The cache lives as long as the process: destroying and re-initialising the default process
     group in one process is not supported (group names would be reused).
     """
-    if ranks not in _GROUPS:
-        group = dist.new_group(list(ranks))
-        _GROUPS[ranks] = group.group_name if isinstance(group, dist.ProcessGroup) else None
-    return _GROUPS[ranks]
+    key = (ranks, timeout_s)
+    if key not in _GROUPS:
+        group = dist.new_group(list(ranks), timeout=as_timedelta(timeout_s))
+        _GROUPS[key] = group.group_name if isinstance(group, dist.ProcessGroup) else None
+    return _GROUPS[key]
 
 
 def _parse_local_world_size(raw: Optional[str]) -> Optional[int]:
@@ -213,7 +234,7 @@ def set_current_topology(topology: Topology) -> None:
 
 
 def _node_layout(t: Topology) -> tuple:
-    return (t.world_size, t.rank, t.ranks_per_node, t.world_group_name)  # hpz_size may differ per model
+    return (t.world_size, t.rank, t.ranks_per_node)  # hpz_size and group timeouts may differ per model
 
 
 def current_topology() -> Topology:
