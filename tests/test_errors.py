@@ -109,6 +109,27 @@ RANKS_NOT_NODE_BY_NODE = [{"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}] * 2
 UNEVEN_NODES = [{"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}, {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}]
 
 
+def replace_a_parameter_after_shard(compiled: bool) -> None:
+    model = zpp_compile.shard(OddMLP(), zpp_compile.Config(lowering="aot_eager"))
+    model.fc1.weight = torch.nn.Parameter(torch.randn(29, 13))
+    (torch.compile(model, backend="zeropp") if compiled else model)(torch.randn(2, 13))
+
+
+def add_a_parameter_after_shard() -> None:
+    model = zpp_compile.shard(OddMLP())
+    model.fc2.extra = torch.nn.Parameter(torch.ones(7))
+    model(torch.randn(2, 13))
+
+
+def move_the_model_after_shard(compiled: bool) -> None:
+    model = zpp_compile.shard(OddMLP(), zpp_compile.Config(lowering="aot_eager"))
+    model.to("meta")
+    (torch.compile(model, backend="zeropp") if compiled else model)(torch.randn(2, 13, device="meta"))
+
+
+MOVED_TO_META = "(OddMLP.scale|Linear.weight) was moved to meta after zpp_compile.shard\\(\\) placed it on cpu"
+
+
 def hpz_size_not_dividing_the_node() -> None:
     zpp_compile.shard(OddMLP(), zpp_compile.Config(ranks_per_node=2, hpz_size=4))
 
@@ -123,6 +144,11 @@ def hpz_size_not_dividing_the_node() -> None:
         (2, shard_under_launcher_env, (RANKS_NOT_NODE_BY_NODE,), "rank 1 runs on node 0 \\(GROUP_RANK\\)"),
         (2, shard_under_launcher_env, (UNEVEN_NODES,), "LOCAL_WORLD_SIZE differs between ranks"),
         (4, hpz_size_not_dividing_the_node, (), "hpz_size=4 must divide the ranks of a node \\(ranks_per_node=2\\)"),
+        (2, replace_a_parameter_after_shard, (False,), "ShardingError: Linear.weight was replaced after"),
+        (2, replace_a_parameter_after_shard, (True,), "ShardingError: Linear.weight was replaced after"),
+        (2, add_a_parameter_after_shard, (), "parameter 'fc2.extra' .* was added after zpp_compile.shard"),
+        (2, move_the_model_after_shard, (False,), MOVED_TO_META),
+        (2, move_the_model_after_shard, (True,), MOVED_TO_META),
     ],
 )
 def test_bad_use_is_refused_with_a_clear_message(pools, world, task, args, message):

@@ -21,7 +21,7 @@ from .explain import explain
 from .faults import CollectiveError
 from .plan import CommPlan, peak_collective_bytes
 from .schedule_check import ScheduleMismatchError
-from .sharding import full_state_dict, is_sharded, shard
+from .sharding import ShardingError, full_state_dict, is_sharded, shard
 from .topology import DistributedNotInitializedError, Topology
 
 _register_backend()
@@ -38,6 +38,7 @@ __all__ = [
     "FlatShardedTensor",
     "NotShardedError",
     "ScheduleMismatchError",
+    "ShardingError",
     "Topology",
     "comm_counter",
     "clear_error_feedback",

@@ -28,6 +28,10 @@ from .topology import Topology, build_topology, require_initialized, set_current
 _PLAN_IDS = itertools.count()
 
 
+class ShardingError(RuntimeError):
+    """A sharded model was changed in a way its shards cannot follow (replaced, added, moved)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
     """What a shard is a piece of: the full parameter's name, shape and the group it is split over.
@@ -47,6 +51,7 @@ class ShardSpec:
     quantized_block: Optional[int] = None
     compute_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
+    device: torch.device = torch.device("cpu")  # where the shard lives; moving it later is refused
     plan_id: int = 0  # which shard() call made it: compiled graphs are specialised on it (see gather_full)
 
     @property
@@ -94,8 +99,10 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
                 state.specs[spec.fqn] = spec
                 shards[id(full)] = _make_shard(full, spec, state)
             module._parameters[name] = shards[id(full)]
+            module.__dict__.setdefault("_zpp_specs", {})[name] = shard_spec(shards[id(full)])
         if names:
             _route_reads_through_gather(module, names)
+    model.register_forward_pre_hook(_refuse_unsharded_parameters)
     if config.param_dtype is not None:
         model.register_forward_pre_hook(_inputs_caster(config.param_dtype), with_kwargs=True)
     model._zpp_state = state
@@ -205,6 +212,7 @@ def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config, plan_i
         quantized_block=config.weight_block_size if stored_quantized else None,
         compute_dtype=compute_dtype,
         reduce_dtype=reduce_dtype,
+        device=full.device,
         plan_id=plan_id,
     )
 
@@ -267,9 +275,52 @@ def _route_reads_through_gather(module: nn.Module, names: list[str]) -> None:
 
 def _gathering_property(name: str) -> property:
     def read_full_parameter(self: nn.Module) -> Tensor:
-        return gather_full(self._parameters[name])
+        param = self._parameters[name]
+        _check_still_sharded(self, name, param)
+        return gather_full(param)
 
     return property(read_full_parameter, doc=f"The full `{name}`, all-gathered from its shards.")
+
+
+def _check_still_sharded(module: nn.Module, name: str, param: Optional[Tensor]) -> None:
+    where = f"{getattr(module, '_zpp_original_class', type(module)).__name__}.{name}"
+    spec = None if param is None else shard_spec(param)
+    expected = module.__dict__["_zpp_specs"][name]
+    if param is not None and param.device != expected.device:
+        raise ShardingError(
+            f"{where} was moved to {param.device} after zpp_compile.shard() placed it on {expected.device}. "
+            "Move the model first (model.to(device)), then call shard(); process groups and compiled "
+            "graphs are set up for the device the shards had."
+        )
+    if spec is None:
+        raise ShardingError(
+            f"{where} was replaced after zpp_compile.shard() by a tensor that is not a shard. To give "
+            "it new values, load them (model.load_state_dict(...) takes full tensors) or copy into "
+            "the shard under torch.no_grad(); to change the model's structure, do it before shard()."
+        )
+
+
+def _refuse_unsharded_parameters(model: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of the root: a parameter added after shard() would be trained replicated,
+    its gradient never averaged across ranks, which is silent wrong training. Compiled graphs
+    check the same in the backend (NotShardedError); this covers the eager path."""
+    if torch.compiler.is_compiling():
+        return
+    for module_name, module in model.named_modules():
+        for name, param in module._parameters.items():
+            if name in module.__dict__.get("_zpp_specs", {}):
+                _check_still_sharded(module, name, param)  # replaced or moved: says which
+            elif param is not None:
+                _refuse_added(_join(module_name, name), param)
+
+
+def _refuse_added(fqn: str, param: Tensor) -> None:
+    if shard_spec(param) is None:
+        raise ShardingError(
+                f"parameter {fqn!r} (shape {tuple(param.shape)}) was added after zpp_compile.shard() and is not "
+                "sharded: its gradient would never be averaged across ranks. Add every parameter "
+                "before shard(), or shard a new model."
+            )
 
 
 def _join(prefix: str, name: str) -> str:
