@@ -85,3 +85,26 @@ def test_a_dead_or_stalled_rank_fails_the_others_with_a_clear_error_in_time(faul
         assert seconds < COLLECTIVE_TIMEOUT_S, f"a dead peer must fail its peers at once, took {seconds:.1f} s"
     else:
         assert COLLECTIVE_TIMEOUT_S - 1 <= seconds < 3 * COLLECTIVE_TIMEOUT_S, f"failed after {seconds:.1f} s"
+
+
+def group_timeouts(config_timeout_s) -> set:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    import zpp_compile
+    from zpp_compile.sharding import sharded_state
+
+    config = zpp_compile.Config(ranks_per_node=2, hpz_size=2, quantize_gradients=True, collective_timeout_s=config_timeout_s)
+    topology = sharded_state(zpp_compile.shard(torch.nn.Linear(4, 4), config)).topology
+    names = (topology.world_group_name, topology.hpz_group_name, topology.node_group_name, topology.cross_node_group_name)
+    device = dist.distributed_c10d._get_pg_default_device()
+    return {_resolve_process_group(n)._get_backend(device).options._timeout.total_seconds() for n in names}
+
+
+@pytest.mark.parametrize("config_timeout_s", [None, 7.0])
+def test_every_group_zpp_compile_creates_keeps_the_timeout_in_force(pools, config_timeout_s):
+    from .workers import COLLECTIVE_TIMEOUT_S as POOL_PROCESS_GROUP_TIMEOUT_S
+
+    expected = {config_timeout_s or POOL_PROCESS_GROUP_TIMEOUT_S}
+    assert pools(4).run(group_timeouts, config_timeout_s) == [expected] * 4

@@ -5,7 +5,14 @@
 """
 
 from . import ops as _ops  # noqa: F401  (registers the zpp:: custom ops)
-from .backend import BACKEND_NAME, NotShardedError, compiled_graphs, register as _register_backend, zeropp_backend
+from .backend import (
+    BACKEND_NAME,
+    NotShardedError,
+    RecompileStormWarning,
+    compiled_graphs,
+    register as _register_backend,
+    zeropp_backend,
+)
 from .checkpoint import (
     CheckpointMismatchError,
     FlatShardedTensor,
@@ -37,6 +44,7 @@ __all__ = [
     "DistributedNotInitializedError",
     "FlatShardedTensor",
     "NotShardedError",
+    "RecompileStormWarning",
     "ScheduleMismatchError",
     "ShardingError",
     "Topology",

@@ -16,6 +16,7 @@ import functools
 import importlib.metadata
 import itertools
 import logging
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -36,6 +37,12 @@ log = logging.getLogger(__name__)
 
 BACKEND_NAME = "zeropp"
 _graph_ids = itertools.count()
+# A frame compiled this many times is recompiling every few steps: warn (once per model).
+RECOMPILE_STORM_AT = 4
+
+
+class RecompileStormWarning(UserWarning):
+    pass
 
 
 class NotShardedError(RuntimeError):
@@ -75,6 +82,7 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs)
+    _report_recompile_storm(state)
     use_inductor = state.config.lowering == "inductor"
     decompositions = _inductor_decompositions() if use_inductor else {}
     ctx = passes.PassContext(
@@ -91,6 +99,35 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
         partition_fn=functools.partial(_partition, ctx=ctx),
         decompositions=decompositions,
     )(gm, example_inputs)
+
+
+def _report_recompile_storm(state: ShardedState) -> None:
+    """Warn once per model when Dynamo compiles one of its frames for the RECOMPILE_STORM_AT-th time.
+
+    Each recompile of a sharded model costs a full compile (seconds to minutes) and, past
+    torch._dynamo.config.recompile_limit, Dynamo falls back to the slower eager path for good.
+    """
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None or state.recompile_storm_reported:
+        return
+    compiles = (compile_id.frame_compile_id or 0) + 1
+    if compiles < RECOMPILE_STORM_AT:
+        return
+    state.recompile_storm_reported = True
+    limit = torch._dynamo.config.recompile_limit
+    warnings.warn(
+        f"zpp_compile: a frame of this sharded model is being compiled for the {compiles}th time "
+        f"(recompile storm). Each compile takes as long as the first, and after {limit} "
+        "(torch._dynamo.config.recompile_limit) Dynamo runs the frame eagerly: correct but without "
+        "ZeRO++'s quantized, bucketed, overlapped collectives. Run with TORCH_LOGS=recompiles to see "
+        "which guard fails; the usual causes are input shapes that change every step (pad them to a "
+        "few sizes, or torch._dynamo.mark_dynamic) and Python values that change (step counters, "
+        "flags) read inside the model. Reported once per model.",
+        RecompileStormWarning,
+        stacklevel=2,
+    )
 
 
 def _sharded_state_of(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Optional[ShardedState]:
@@ -153,7 +190,9 @@ def _counting(compiled: Callable, collectives: list[comm.Collective], ctx: passe
         if unchecked[0]:
             check_schedule(collectives, ctx.label)
             unchecked[0] = False
-        with explained_collective_failures(f"compiled graph {ctx.label}", topology.collective_timeout_s):
+        with explained_collective_failures(
+            f"compiled graph {ctx.graph_id} ({ctx.phase})", topology.collective_timeout_s
+        ):
             out = compiled(args)
         counter.record(collectives, topology)
         return out

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from .config import Config
@@ -50,7 +51,10 @@ class CostModel:
             flops = formula(*fake_args, out_val=node.meta.get("val"), **fake_kwargs)
         except Exception:  # a formula that does not take this overload's arguments: count a kernel
             return self.kernel_s
-        return self.kernel_s + flops / self.flops_per_s
+        # Under dynamic shapes flops is symbolic: take its hint (the example input's value) rather
+        # than compare the expression, which would install a guard and recompile on every
+        # sequence length that flips a scheduling decision.
+        return self.kernel_s + concrete(flops) / self.flops_per_s
 
 
 def build_cost_model(config: Config, group: Optional[dist.ProcessGroup] = None) -> CostModel:
@@ -84,3 +88,8 @@ def _measure(group: Optional[dist.ProcessGroup]) -> tuple[float, float]:
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     sent = probe.numel() * 4 * (world - 1)
     return max(sent, 1) / slowest[0].item(), 2 * _PROBE_MATMUL**3 / slowest[1].item()
+
+
+def concrete(value: Union[int, torch.SymInt]) -> int:
+    """A count without symbols, taken without guarding on it: a symbolic count's hint."""
+    return optimization_hint(value) if isinstance(value, torch.SymInt) else value

@@ -68,6 +68,7 @@ class ShardedState:
     topology: Topology
     specs: dict[str, ShardSpec]
     cost_model: Optional[CostModel] = None
+    recompile_storm_reported: bool = False
 
 
 def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_states: bool = True) -> nn.Module:

@@ -4,6 +4,7 @@ identically on every rank. Sub-groups are created once per process and shared by
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import warnings
 from typing import Optional
@@ -204,9 +205,19 @@ def shared_group(ranks: tuple[int, ...], timeout_s: Optional[float] = None) -> O
     """
     key = (ranks, timeout_s)
     if key not in _GROUPS:
-        group = dist.new_group(list(ranks), timeout=as_timedelta(timeout_s))
+        group = dist.new_group(list(ranks), timeout=as_timedelta(timeout_s) or _default_group_timeout())
         _GROUPS[key] = group.group_name if isinstance(group, dist.ProcessGroup) else None
     return _GROUPS[key]
+
+
+def _default_group_timeout() -> Optional[datetime.timedelta]:
+    """The timeout init_process_group(timeout=...) gave the default group: new groups would
+    otherwise get torch's built-in default (30 min on gloo), not the one the user chose."""
+    try:
+        device = dist.distributed_c10d._get_pg_default_device()
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # a backend without options: torch's default applies
+        return None
 
 
 def _parse_local_world_size(raw: Optional[str]) -> Optional[int]:
