@@ -173,3 +173,21 @@ def test_hpz_with_activation_checkpointing_and_gradient_accumulation(pools, name
 def test_hpz_two_nodes_of_four_gives_bitwise_equal_gradients(pools, hpz_size):
     for result in pools(8).run(hpz_vs_plain, "mlp", 4, hpz_size):
         _check(result, hpz_size)
+
+
+def checkpointed_vs_not(lowering: str) -> dict:
+    config = zpp_compile.Config(ranks_per_node=2, hpz_size=2, lowering=lowering)
+    return {name: _train(name, config, steps=2) for name in ("ckpt_mlp", "mlp")}
+
+
+@pytest.mark.parametrize("lowering", ["aot_eager", "inductor"])
+def test_activation_checkpointing_under_hpz_matches_the_run_without_it(pools, lowering):
+    """torch.utils.checkpoint around the whole model: the backward recomputes the forward, and the
+    weights it needs are gathered again from the secondary shards, inside the node."""
+    for result in pools(4).run(checkpointed_vs_not, lowering):
+        checkpointed, plain = result["ckpt_mlp"], result["mlp"]
+        for step, (a, b) in enumerate(zip(checkpointed["grads"], plain["grads"])):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=f"step {step}")
+        assert checkpointed["bw_gather_inter"] == 0 and checkpointed["bw_gather_intra"] > 0
+        assert {g for _, g, _ in checkpointed["saved_gathers"]} == {checkpointed["hpz_group"]}
