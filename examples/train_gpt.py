@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # compiled, ZeRO-3
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --eager    # eager reference
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --ranks-per-node 2 --qwz --hpz 2 --qgz
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --bf16 --checkpoint-dir ckpt --save-every 50
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --bf16 --checkpoint-dir ckpt --resume
 
 Every machine with Python has the data: the .py files of the standard library, read as bytes.
 Writes the loss curve to runs/train_gpt_<mode>.csv.
@@ -46,6 +48,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hpz", type=int, default=None, metavar="K", help="ZeRO++ hpZ: secondary partition of K ranks")
     p.add_argument("--qgz", action="store_true", help="ZeRO++ qgZ: int4 hierarchical gradient all-to-alls")
     p.add_argument("--qgz-ef", action="store_true", help="qgZ with error feedback")
+    p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 gathers and compute, fp32 masters")
+    p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints to DIR/step_<N>")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--data-mb", type=float, default=8.0, help="megabytes of stdlib source to read")
     p.add_argument("--out-dir", default="runs")
@@ -68,8 +74,12 @@ def load_stdlib_bytes(limit_mb: float) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8).long()
 
 
+def sample_starts(data: torch.Tensor, batch: int, block: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, data.numel() - block - 1, (batch,), generator=gen)
+
+
 def sample_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = torch.randint(0, data.numel() - block - 1, (batch,), generator=gen)
+    starts = sample_starts(data, batch, block, gen)
     window = torch.stack([data[s : s + block + 1] for s in starts.tolist()])
     return window[:, :-1], window[:, 1:]
 
@@ -99,11 +109,18 @@ def main() -> None:
         hpz_size=args.hpz,
         quantize_gradients=args.qgz or args.qgz_ef,
         qgz_error_feedback=args.qgz_ef,
+        param_dtype=torch.bfloat16 if args.bf16 else None,
     )
     zpp_compile.shard(model, config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     run = model if args.eager else torch.compile(model, backend="zeropp")
-    flags = (("qwz", args.qwz), (f"hpz{args.hpz}", args.hpz), ("qgz", args.qgz and not args.qgz_ef), ("qgz-ef", args.qgz_ef))
+    flags = (
+        ("bf16", args.bf16),
+        ("qwz", args.qwz),
+        (f"hpz{args.hpz}", args.hpz),
+        ("qgz", args.qgz and not args.qgz_ef),
+        ("qgz-ef", args.qgz_ef),
+    )
     features = [name for name, on in flags if on]
     mode = "eager" if args.eager else "+".join([f"compiled-{args.lowering}", *features])
 
@@ -112,9 +129,13 @@ def main() -> None:
         f"{train_data.numel() / 1e6:.1f}M training bytes of stdlib source")
     bar = _progress(args.steps, enabled=rank == 0)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
+    first = resume(model, opt, args, gen, train_data, log) + 1
+    if first > args.steps:
+        log(f"the checkpoint is at step {first - 1}: nothing left of --steps {args.steps}")
+        return dist.destroy_process_group()
     rows, step_times, sent_bytes = [], [], 0
     counter = zpp_compile.comm_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         counter.reset()
         t0 = time.perf_counter()
         x, y = sample_batch(train_data, args.batch_size, args.block_size, gen)
@@ -132,6 +153,8 @@ def main() -> None:
         if rank == 0 and (step % args.log_every == 0 or step == 1):
             bar.write(f"step {step:5d}  loss {mean_loss:.4f}  {dt * 1e3:7.1f} ms/step  "
                       f"sent {sent_bytes / 1e6:.2f} MB/rank/step")
+        if args.checkpoint_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            zpp_compile.save_checkpoint(Path(args.checkpoint_dir) / f"step_{step}", model, opt, extra={"step": step})
     bar.close()
 
     val_loss = evaluate(run, model, val_data, args)
@@ -152,6 +175,23 @@ def main() -> None:
         write_csv(Path(args.out_dir) / f"train_gpt_{mode}.csv", rows)
         (Path(args.out_dir) / f"train_gpt_{mode}.json").write_text(json.dumps(summary, indent=1))
     dist.destroy_process_group()
+
+
+def resume(model, opt, args: argparse.Namespace, gen: torch.Generator, data: torch.Tensor, log) -> int:
+    """With --resume, load the newest DIR/step_<N> (at any world size) and return N, else 0.
+
+    The data stream continues where it stopped: this rank's generator replays N draws. (Ranks
+    draw their own batches, so a run resumed at another world size sees other batches.)"""
+    folders = sorted(Path(args.checkpoint_dir or ".").glob("step_*"), key=lambda f: int(f.name.split("_")[1]))
+    if not (args.resume and folders):
+        if args.resume:
+            log(f"--resume: no checkpoint in {args.checkpoint_dir}; starting from step 1")
+        return 0
+    step = int(zpp_compile.load_checkpoint(folders[-1], model, opt)["step"])
+    for _ in range(step):
+        sample_starts(data, args.batch_size, args.block_size, gen)
+    log(f"resumed from {folders[-1]} (step {step})")
+    return step
 
 
 @torch.no_grad()

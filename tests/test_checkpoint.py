@@ -142,11 +142,11 @@ def test_a_checkpoint_saved_at_one_world_size_loads_bitwise_at_another(pools, tm
         assert got["groups"] == saved["groups"]
 
 
-def resume_run(path: str, phase: str) -> list[float]:
+def resume_run(path: str, phase: str, config: dict) -> list[float]:
     """Compiled GPT: "straight" trains 3 steps, saves, trains 3 more; "resumed" builds another
     model (other seed), loads the checkpoint and trains the same 3 steps."""
     torch.manual_seed(0 if phase == "straight" else 7)
-    model = zpp_compile.shard(build("gpt"), _config())
+    model = zpp_compile.shard(build("gpt"), _config(**config))
     opt = _optimizer(model, lr=3e-3)
     compiled = torch.compile(model, backend="zeropp")
     if phase == "straight":
@@ -159,10 +159,18 @@ def resume_run(path: str, phase: str) -> list[float]:
     return losses
 
 
-def test_resuming_from_a_checkpoint_continues_the_loss_curve_exactly(pools, tmp_path):
+# Full ZeRO++ under mixed precision: the checkpoint holds the fp32 masters, and qwZ, hpZ's
+# secondary shards and qgZ (without error feedback, whose state is not saved) are rebuilt from them.
+ZERO_PP_BF16 = dict(
+    param_dtype=torch.bfloat16, quantize_weights=True, hpz_size=2, quantize_gradients=True, ranks_per_node=2
+)
+
+
+@pytest.mark.parametrize("world, config", [(2, {}), (4, ZERO_PP_BF16)], ids=["zero3", "zeropp_bf16"])
+def test_resuming_from_a_checkpoint_continues_the_loss_curve_exactly(pools, tmp_path, world, config):
     path = str(tmp_path / "ckpt")
-    straight = pools(2).run(resume_run, path, "straight")
-    resumed = pools(2).run(resume_run, path, "resumed")
+    straight = pools(world).run(resume_run, path, "straight", config)
+    resumed = pools(world).run(resume_run, path, "resumed", config)
     assert resumed == straight  # bitwise: python floats of the float32 losses, every rank
 
 

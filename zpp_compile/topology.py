@@ -9,6 +9,7 @@ import os
 import warnings
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from .config import Config
@@ -213,11 +214,12 @@ def shared_group(ranks: tuple[int, ...], timeout_s: Optional[float] = None) -> O
 def _default_group_timeout() -> Optional[datetime.timedelta]:
     """The timeout init_process_group(timeout=...) gave the default group: new groups would
     otherwise get torch's built-in default (30 min on gloo), not the one the user chose."""
-    try:
-        device = dist.distributed_c10d._get_pg_default_device()
-        return dist.group.WORLD._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):  # a backend without options: torch's default applies
-        return None
+    for device in (torch.device("cuda"), torch.device("cpu")):  # whichever backend the group has
+        try:
+            return dist.group.WORLD._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):  # none for this device, or one without options
+            continue
+    return None  # torch's default applies
 
 
 def _parse_local_world_size(raw: Optional[str]) -> Optional[int]:
