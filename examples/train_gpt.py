@@ -182,7 +182,8 @@ def resume(model, opt, args: argparse.Namespace, gen: torch.Generator, data: tor
 
     The data stream continues where it stopped: this rank's generator replays N draws. (Ranks
     draw their own batches, so a run resumed at another world size sees other batches.)"""
-    folders = sorted(Path(args.checkpoint_dir or ".").glob("step_*"), key=lambda f: int(f.name.split("_")[1]))
+    complete = [f for f in Path(args.checkpoint_dir or ".").glob("step_*") if (f / ".metadata").exists()]
+    folders = sorted(complete, key=lambda f: int(f.name.split("_")[1]))  # DCP writes .metadata last
     if not (args.resume and folders):
         if args.resume:
             log(f"--resume: no checkpoint in {args.checkpoint_dir}; starting from step 1")

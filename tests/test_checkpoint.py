@@ -74,7 +74,9 @@ def train_and_save(name: str, path: str, steps: int) -> dict:
     model = zpp_compile.shard(build(name), _config())
     opt = _optimizer(model)
     _train(name, model, opt, range(steps))
-    zpp_compile.save_checkpoint(path, model, opt, extra={"step": steps, "note": "hello"})
+    with zpp_compile.comm_counter().trace() as issued:
+        zpp_compile.save_checkpoint(path, model, opt, extra={"step": steps, "note": "hello"})
+    assert not issued, f"saving gathered parameters: {issued}"  # each rank writes its own elements
     return _report(model, opt)
 
 
@@ -84,7 +86,9 @@ def load_fresh(name: str, path: str) -> dict:
     model = zpp_compile.shard(build(name), _config())
     opt = _optimizer(model, lr=0.5, weight_decay=0.0)
     before = zpp_compile.full_state_dict(model)
-    extra = zpp_compile.load_checkpoint(path, model, opt)
+    with zpp_compile.comm_counter().trace() as issued:
+        extra = zpp_compile.load_checkpoint(path, model, opt)
+    assert not issued, f"loading gathered parameters: {issued}"
     return _report(model, opt) | {"extra": extra, "before": before}
 
 

@@ -158,3 +158,13 @@ def exported_dtypes() -> set:
 
 def test_full_state_dict_exports_the_fp32_masters_not_their_fp16_copies(pools):
     assert pools(2).run(exported_dtypes) == [{torch.float32}] * 2
+
+
+def fp16_reduce_dtypes() -> set:
+    model = zpp_compile.shard(build("mlp"), zpp_compile.Config(param_dtype=torch.float16))
+    return {shard_spec(p).reduce_dtype for p in model.parameters() if p.requires_grad}
+
+
+def test_fp16_gradients_are_averaged_in_fp32_unless_asked_otherwise(pools):
+    # An fp16 sum over many ranks overflows (65504) before the division by the world size.
+    assert pools(2).run(fp16_reduce_dtypes) == [{torch.float32}] * 2

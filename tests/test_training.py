@@ -212,23 +212,49 @@ def test_sequence_length_changing_every_step_keeps_the_shards_and_stops_recompil
                 assert (e - c).abs().max().item() <= 1e-5 * max(e.abs().max().item(), 1e-6)
 
 
-def recompile_storm() -> dict:
-    """Batch sizes that change every step with automatic dynamic shapes off: a recompile each step."""
+def _storm_warnings(run) -> list[str]:
     import warnings
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if issubclass(w.category, zpp_compile.RecompileStormWarning)]
+
+
+def recompile_storm() -> dict:
+    """Train and eval mode, two batch sizes each: ordinary recompiles, no warning. Then (after a
+    reset) batch sizes that change every step with automatic dynamic shapes off: a recompile each
+    step, one warning."""
     torch.manual_seed(0)
+    calm_model = zpp_compile.shard(build("mlp"), zpp_compile.Config(lowering="aot_eager"))
+
+    def calm() -> None:
+        compiled = torch.compile(calm_model, backend="zeropp")
+        for mode in (calm_model.train, calm_model.eval):
+            mode()
+            for n in (2, 3, 4):
+                compiled(torch.randn(n, 13))
+
     model = zpp_compile.shard(build("mlp"), zpp_compile.Config(lowering="aot_eager"))
     compiled = torch.compile(model, backend="zeropp")
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gaps = [(compiled(x) - model(x)).abs().max().item() for x in (torch.randn(n, 13) for n in range(1, 8))]
-    storms = [str(w.message) for w in caught if issubclass(w.category, zpp_compile.RecompileStormWarning)]
+    gaps = []
+
+    def storm() -> None:
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            gaps.extend((compiled(x) - model(x)).abs().max().item() for x in (torch.randn(n, 13) for n in range(1, 8)))
+
+    calm_warnings = _storm_warnings(calm)
+    torch._dynamo.reset()  # Dynamo's recompile_limit counts compiles per code object: start afresh
+    result = {"calm": calm_warnings, "storms": _storm_warnings(storm), "largest_gap": max(gaps)}
     torch._dynamo.reset()
-    return {"storms": storms, "largest_gap": max(gaps)}
+    return result
 
 
 def test_a_recompile_storm_is_reported_once_and_training_goes_on(pools):
     for result in pools(2).run(recompile_storm):
+        assert result["calm"] == [], "train/eval and a dynamic shape are no storm"
         assert len(result["storms"]) == 1, result["storms"]
-        assert "4th time (recompile storm)" in result["storms"][0] and "TORCH_LOGS=recompiles" in result["storms"][0]
+        message = result["storms"][0]
+        assert "6th time (recompile storm); torch._dynamo.config.recompile_limit=8" in message
+        assert "fail_on_recompile_limit_hit" in message and "TORCH_LOGS=recompiles" in message
         assert result["largest_gap"] <= 1e-5

@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 
 BACKEND_NAME = "zeropp"
 _graph_ids = itertools.count()
-# A frame compiled this many times is recompiling every few steps: warn (once per model).
-RECOMPILE_STORM_AT = 4
+# Warn (once per model) when one of its frames has this many compiles left before Dynamo's
+# recompile_limit: by then it recompiles far more often than train/eval or a last short batch.
+RECOMPILE_STORM_MARGIN = 2
 
 
 class RecompileStormWarning(UserWarning):
@@ -102,10 +103,13 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
 
 
 def _report_recompile_storm(state: ShardedState) -> None:
-    """Warn once per model when Dynamo compiles one of its frames for the RECOMPILE_STORM_AT-th time.
+    """Warn once per model when one of its Dynamo frames nears torch._dynamo.config.recompile_limit.
 
-    Each recompile of a sharded model costs a full compile (seconds to minutes) and, past
-    torch._dynamo.config.recompile_limit, Dynamo falls back to the slower eager path for good.
+    The limit counts compiles of a code object (a forward method), whatever the cause: shapes,
+    train/eval, grad mode, and every model of the same class (each shard() call gets graphs of its
+    own, by design: see sharding.gather_full). Each recompile costs a full compile, and past the
+    limit Dynamo runs the frame eagerly: the eager path issues other collectives than the compiled
+    one, so ranks that fall back at different steps (their shapes differ) stop matching.
     """
     from torch._guards import CompileContext
 
@@ -113,20 +117,23 @@ def _report_recompile_storm(state: ShardedState) -> None:
     if compile_id is None or state.recompile_storm_reported:
         return
     compiles = (compile_id.frame_compile_id or 0) + 1
-    if compiles < RECOMPILE_STORM_AT:
+    limit = torch._dynamo.config.recompile_limit
+    if compiles < max(2, limit - RECOMPILE_STORM_MARGIN):
         return
     state.recompile_storm_reported = True
-    limit = torch._dynamo.config.recompile_limit
     warnings.warn(
         f"zpp_compile: a frame of this sharded model is being compiled for the {compiles}th time "
-        f"(recompile storm). Each compile takes as long as the first, and after {limit} "
-        "(torch._dynamo.config.recompile_limit) Dynamo runs the frame eagerly: correct but without "
-        "ZeRO++'s quantized, bucketed, overlapped collectives. Run with TORCH_LOGS=recompiles to see "
-        "which guard fails; the usual causes are input shapes that change every step (pad them to a "
-        "few sizes, or torch._dynamo.mark_dynamic) and Python values that change (step counters, "
-        "flags) read inside the model. Reported once per model.",
+        f"(recompile storm); torch._dynamo.config.recompile_limit={limit}. Compiles of every model "
+        "of the same class count, as do train/eval and no_grad switches. Each compile takes as long "
+        "as the first, and past the limit Dynamo runs the frame eagerly, whose collectives differ "
+        "from the compiled graph's: if ranks reach the limit at different steps they stop matching "
+        "(a CollectiveError after the timeout, at worst mixed data). Set "
+        "torch._dynamo.config.fail_on_recompile_limit_hit = True to stop instead. Run with "
+        "TORCH_LOGS=recompiles to see which guard fails; the usual causes are input shapes that change "
+        "every step (pad them to a few sizes, or torch._dynamo.mark_dynamic) and Python values that "
+        "change (step counters, flags) read inside the model. Reported once per model.",
         RecompileStormWarning,
-        stacklevel=2,
+        stacklevel=1,
     )
 
 

@@ -63,7 +63,9 @@ class Config:
             Floating-point inputs of the root module's forward are cast to it too (like FSDP2's
             cast_forward_inputs), so float activations meet weights of their dtype. None: off.
         reduce_dtype: the dtype gradients are reduce-scattered (averaged) in; None: param_dtype
-            (or the gradient's own dtype). The averaged shard gradient is then cast to the
+            (or the gradient's own dtype), except fp32 under param_dtype=torch.float16, whose sum
+            over many ranks overflows. (fp16 also needs loss scaling whose inf check spans all
+            ranks: each rank sees only its own gradient shards; prefer bf16.) The averaged shard gradient is then cast to the
             shard's dtype. qgZ reads the gradient in this dtype and quantizes it to int4.
         ranks_per_node: ranks per node; None reads torchrun's LOCAL_WORLD_SIZE, else one node.
             Setting it simulates several nodes on one machine.
@@ -114,8 +116,9 @@ class Config:
         _require_int(self, "reduce_bucket_bytes", minimum=0)
         _require_int(self, "prefetch_limit", minimum=0)
         _require_int(self, "prefetch_bytes", minimum=0)
-        for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops", "collective_timeout_s"):
-            _require_positive_or_none(self, name)
+        for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops"):
+            _require_positive_or_none(self, name, none_means="measure it in shard()")
+        _require_positive_or_none(self, "collective_timeout_s", none_means="use the process group's timeout")
         _require_bool(self, "check_schedule")
         _require_float_dtype_or_none(self, "param_dtype")
         _require_float_dtype_or_none(self, "reduce_dtype")
@@ -181,9 +184,9 @@ def _require_float_dtype_or_none(config: Config, name: str) -> None:
         )
 
 
-def _require_positive_or_none(config: Config, name: str) -> None:
+def _require_positive_or_none(config: Config, name: str, *, none_means: str) -> None:
     value = getattr(config, name)
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"Config.{name}={value!r} must be a positive number, or None (see its docstring).")
+        raise ValueError(f"Config.{name}={value!r} must be a positive number, or None to {none_means}.")

@@ -20,8 +20,9 @@ _COMMUNICATION_FAILURES = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Timed out waiting",
-    "NCCL",
     "Watchdog caught collective operation timeout",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
 )
 
 
@@ -37,7 +38,7 @@ def is_communication_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(p in str(error) for p in _COMMUNICATION_FAILURES)
 
 
-def explain(error: BaseException, where: str, timeout_s: Optional[float]) -> CollectiveError:
+def _explained_error(error: BaseException, where: str, timeout_s: Optional[float]) -> CollectiveError:
     rank = dist.get_rank() if dist.is_initialized() else "?"
     limit = (
         f"Config(collective_timeout_s={timeout_s:g})"
@@ -60,7 +61,7 @@ def explained_collective_failures(where: str, timeout_s: Optional[float]) -> Ite
         yield
     except RuntimeError as error:
         if is_communication_failure(error):
-            raise explain(error, where, timeout_s) from error
+            raise _explained_error(error, where, timeout_s) from error
         raise
 
 

@@ -202,6 +202,8 @@ def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config, plan_i
     compute_dtype = config.param_dtype if full.is_floating_point() else None
     compute_dtype = None if compute_dtype == full.dtype else compute_dtype
     reduce_dtype = config.reduce_dtype if full.is_floating_point() else None
+    if reduce_dtype is None and compute_dtype == torch.float16:
+        reduce_dtype = torch.float32  # an fp16 sum over many ranks overflows before the average
     reduce_dtype = None if reduce_dtype == (compute_dtype or full.dtype) else reduce_dtype
     return ShardSpec(
         fqn=fqn,
@@ -284,9 +286,11 @@ def _gathering_property(name: str) -> property:
 
 
 def _check_still_sharded(module: nn.Module, name: str, param: Optional[Tensor]) -> None:
-    where = f"{getattr(module, '_zpp_original_class', type(module)).__name__}.{name}"
     spec = None if param is None else shard_spec(param)
     expected = module.__dict__["_zpp_specs"][name]
+    if spec is expected and param.device == expected.device:
+        return
+    where = f"parameter {expected.fqn!r} ({getattr(module, '_zpp_original_class', type(module)).__name__}.{name})"
     if param is not None and param.device != expected.device:
         raise ShardingError(
             f"{where} was moved to {param.device} after zpp_compile.shard() placed it on {expected.device}. "
@@ -294,10 +298,12 @@ def _check_still_sharded(module: nn.Module, name: str, param: Optional[Tensor]) 
             "graphs are set up for the device the shards had."
         )
     if spec is None:
+        now = "set to None" if param is None else "replaced by a tensor that is not a shard"
         raise ShardingError(
-            f"{where} was replaced after zpp_compile.shard() by a tensor that is not a shard. To give "
-            "it new values, load them (model.load_state_dict(...) takes full tensors) or copy into "
-            "the shard under torch.no_grad(); to change the model's structure, do it before shard()."
+            f"{where} was {now} after zpp_compile.shard(). To give it new values, load them "
+            "(model.load_state_dict(...) takes full tensors) or copy into the shard under "
+            "torch.no_grad(); to change the model's structure, do it before shard(). (A copy of the "
+            "model made by copy.deepcopy or torch.func.functional_call holds no shards either.)"
         )
 
 
@@ -318,10 +324,10 @@ def _refuse_unsharded_parameters(model: nn.Module, args: tuple) -> None:
 def _refuse_added(fqn: str, param: Tensor) -> None:
     if shard_spec(param) is None:
         raise ShardingError(
-                f"parameter {fqn!r} (shape {tuple(param.shape)}) was added after zpp_compile.shard() and is not "
-                "sharded: its gradient would never be averaged across ranks. Add every parameter "
-                "before shard(), or shard a new model."
-            )
+            f"parameter {fqn!r} (shape {tuple(param.shape)}) was added after zpp_compile.shard() and is not "
+            "sharded: its gradient would never be averaged across ranks. Add every parameter "
+            "before shard(), or shard a new model."
+        )
 
 
 def _join(prefix: str, name: str) -> str:

@@ -7,7 +7,8 @@ After:
     w_a = zpp.gather_param(shard, 35, [7, 5], 4, '0')      ... used by linear_1 and linear_2
 
 Dynamo's graph calls the op packets (torch.ops.zpp.gather_param), AOT's the overloads
-(.default); both are matched. Frozen weights stored quantized (zpp.gather_quantized_param) are deduplicated the same way.
+(.default); both are matched. Keyword arguments (mixed precision's dtype=, reduce_dtype=) are
+part of the key: only gathers of one shard into one dtype merge. Frozen weights stored quantized (zpp.gather_quantized_param) are deduplicated the same way.
 Only gathers in the same grad-mode / autocast region are merged: a gather traced under no_grad
 carries no autograd edge, so it must not stand in for a gather whose gradient is needed.
 Runs before AOTAutograd, so the backward also gets one gradient reduce-scatter for the tied

@@ -12,6 +12,7 @@ After, full-precision secondary (qwZ off):
     fw:  w = zpp.gather_param(shard, ...); sec = owned_copy(pad(w.view(-1))[k*W*S/K : (k+1)*W*S/K])
          return (out, ..., sec)
     bw:  sec (input) -> w = zpp.gather_param(sec, numel, shape, K, hpz_group)
+    (Under mixed precision w, and so sec, are in param_dtype: the backward gather needs no cast.)
 
 After, int8 secondary (qwZ on, or a frozen weight stored int8; Config.hpz_quantized_secondary):
     fw:  payload = quantize_packed(shard); g = wait(all_gather(payload))     (qwZ, inlined here)
