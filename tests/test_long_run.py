@@ -15,6 +15,7 @@ from .models import batch, build, loss_of
 STEPS = 1000
 WARMUP = 100  # compiles, optimizer state and allocator pools settle in the first steps
 MIDWAY = 550
+SLACK = 3  # live tensors a snapshot may catch in flight
 
 
 def _live_tensors() -> int:
@@ -55,9 +56,12 @@ def test_a_thousand_steps_grow_neither_memory_nor_compiled_graphs(pools):
     for rank, snapshots in enumerate(pools(2).run(long_run, config)):
         early, midway, late = snapshots[WARMUP], snapshots[MIDWAY], snapshots[STEPS]
         assert early["graphs"] == midway["graphs"] == late["graphs"], f"rank {rank}: recompiled during the run"
-        # Never more live tensors later than earlier. Not "equal": in a worker that ran other tests
-        # before, caches of those (freed later) can make the count fall; a leak makes it rise.
+        # Not "equal": in a worker that ran other tests before, their caches (freed later) can make
+        # the count fall, and one short-lived tensor has been caught in flight (32, 33, 32). A leak
+        # grows with the steps: even one tensor per 100 steps adds 4.5 over the last 450.
         counts = [s["tensors"] for s in (early, midway, late)]
-        assert counts == sorted(counts, reverse=True), f"rank {rank}: live tensors at steps 100/550/1000: {counts}"
+        assert max(counts) <= counts[0] + SLACK and counts[2] <= counts[1] + SLACK, (
+            f"rank {rank}: live tensors at steps {WARMUP}/{MIDWAY}/{STEPS}: {counts}"
+        )
         grown_mb = (late["max_rss_kb"] - early["max_rss_kb"]) / 1024
         assert grown_mb < 16, f"rank {rank}: peak resident memory grew {grown_mb:.1f} MB over {STEPS - WARMUP} steps"

@@ -168,3 +168,11 @@ def fp16_reduce_dtypes() -> set:
 def test_fp16_gradients_are_averaged_in_fp32_unless_asked_otherwise(pools):
     # An fp16 sum over many ranks overflows (65504) before the division by the world size.
     assert pools(2).run(fp16_reduce_dtypes) == [{torch.float32}] * 2
+
+
+def test_hpz_full_precision_secondary_under_mixed_precision(pools):
+    """hpZ without qwZ: the secondary shard is a slice of the bf16 weight the forward gathered, so
+    the backward's in-node gather moves bf16 too, and gradients stay at bf16 accuracy."""
+    config = dict(hpz_size=2, ranks_per_node=2)
+    results = pools(4).run(train_mixed_precision, "gpt", "aot_eager", None, 2, config)
+    _check(results, {("all_gather", torch.bfloat16), ("reduce_scatter", torch.bfloat16)}, param_rtol=5e-2)
