@@ -27,6 +27,19 @@ def step_peak_bytes(step: Callable[[], None]) -> int:
     return peak
 
 
+def reset_compiled_state() -> None:
+    """Forget compiled graphs and the sharding layout, so the next config in the same processes
+    shards and compiles afresh."""
+    import torch
+
+    from zpp_compile.backend import clear_compiled_graphs
+    from zpp_compile.topology import forget_current_topology
+
+    torch._dynamo.reset()
+    clear_compiled_graphs()
+    forget_current_topology()
+
+
 def benchmark_parser(description: str) -> argparse.ArgumentParser:
     """The options every multi-process benchmark takes, plus the hidden worker ones."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

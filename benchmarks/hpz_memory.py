@@ -28,7 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import benchmark_parser, publish, run_workers, step_peak_bytes  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    benchmark_parser,
+    publish,
+    reset_compiled_state,
+    run_workers,
+    step_peak_bytes,
+)
 
 CONFIGS = {
     "ZeRO-3": {},
@@ -53,8 +59,7 @@ def measure(label: str, options: dict, args: argparse.Namespace) -> dict:
 
     import zpp_compile
     from examples.gpt import GPT, GPTConfig
-    from zpp_compile.backend import clear_compiled_graphs, compiled_graphs
-    from zpp_compile.topology import forget_current_topology
+    from zpp_compile.backend import compiled_graphs
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
@@ -98,9 +103,7 @@ def measure(label: str, options: dict, args: argparse.Namespace) -> dict:
         "sent_inter": counter.bytes(direction="sent", locality="inter"),
         "sent_intra": counter.bytes(direction="sent", locality="intra"),
     }
-    torch._dynamo.reset()
-    clear_compiled_graphs()
-    forget_current_topology()
+    reset_compiled_state()
     return result
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import benchmark_parser, publish, run_workers  # noqa: E402
+from benchmarks._common import benchmark_parser, publish, reset_compiled_state, run_workers  # noqa: E402
 from examples.train_gpt import sample_batch  # noqa: E402
 
 CONFIGS = {
@@ -122,17 +122,6 @@ def _fp32_eval_loss(model, val_data) -> float:
         return sum(reference(x, y).item() for x, y in batches) / len(batches)
 
 
-def _reset() -> None:
-    import torch
-
-    from zpp_compile.backend import clear_compiled_graphs
-    from zpp_compile.topology import forget_current_topology
-
-    torch._dynamo.reset()
-    clear_compiled_graphs()
-    forget_current_topology()
-
-
 def _timed(fn) -> float:
     import torch.distributed as dist
 
@@ -161,7 +150,7 @@ def save_worker(args: argparse.Namespace) -> None:
                 torch.save(full, Path(args.checkpoint) / "expected_full_state_dict.pt")
             bytes_on_disk = sum(f.stat().st_size for f in Path(args.checkpoint).glob("*.distcp"))
             results.append({"save_s": seconds, "bytes_on_disk": bytes_on_disk, "world": dist.get_world_size()})
-        _reset()
+        reset_compiled_state()
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -7,13 +7,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import copy
+
 import torch.utils.checkpoint
 from torch import nn
 
 import zpp_compile
 from examples.gpt import GPT, GPTConfig
 from zpp_compile.codegen.quantize import dequantize_int8_blocks, quantize_int8_blocks
-from zpp_compile.sharding import ShardSpec, local_shard
+from zpp_compile.sharding import ShardSpec, local_shard, shard_spec
 
 TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -133,3 +135,42 @@ def gpt_loss_curve(
         opt.zero_grad()
         losses.append(loss.item())
     return losses, model
+
+
+def sharded_with_reference(name: str, mode: str, config: zpp_compile.Config, lr: float = 1e-2):
+    """The model `name` (seed 0) and an unsharded copy of it; the model sharded with `config` and
+    run eagerly (mode "eager") or compiled; AdamW on the trainable parameters of each.
+
+    Returns (sharded model, what to call it through, its optimizer, reference, reference optimizer).
+    """
+    torch.manual_seed(0)
+    model = build(name)
+    reference = copy.deepcopy(model)
+    zpp_compile.shard(model, config)
+    run = model if mode == "eager" else torch.compile(model, backend="zeropp")
+    return model, run, _adamw(model, lr), reference, _adamw(reference, lr)
+
+
+def _adamw(model: nn.Module, lr: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+
+def lowering_of(mode: str) -> str:
+    """Config.lowering for a test mode ("eager" / "inductor" / "aot_eager")."""
+    return "aot_eager" if mode == "aot_eager" else "inductor"
+
+
+def gradient_errors(sharded: nn.Module, reference: nn.Module, step: int) -> dict[str, float]:
+    """This rank's gradient shards against the same slice of the reference gradients.
+
+    Errors are relative to the norm of the whole reference gradient: a scalar's gradient is a sum
+    with cancellation, so its own norm is no scale.
+    """
+    grads = [p.grad for p in reference.parameters() if p.grad is not None]
+    scale = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item()
+    errors = {}
+    for (name, p), ref in zip(sharded.named_parameters(), reference.parameters()):
+        if p.requires_grad:
+            expected = local_shard(ref.grad, shard_spec(p), dist.get_rank())
+            errors[f"step {step} grad {name}"] = (p.grad - expected).norm().item() / scale
+    return errors

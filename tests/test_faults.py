@@ -89,17 +89,16 @@ def test_a_dead_or_stalled_rank_fails_the_others_with_a_clear_error_in_time(faul
 
 def group_timeouts(config_timeout_s) -> set:
     import torch
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     import zpp_compile
     from zpp_compile.sharding import sharded_state
+    from zpp_compile.topology import group_timeout
 
     config = zpp_compile.Config(ranks_per_node=2, hpz_size=2, quantize_gradients=True, collective_timeout_s=config_timeout_s)
     topology = sharded_state(zpp_compile.shard(torch.nn.Linear(4, 4), config)).topology
     names = (topology.world_group_name, topology.hpz_group_name, topology.node_group_name, topology.cross_node_group_name)
-    device = dist.distributed_c10d._get_pg_default_device()
-    return {_resolve_process_group(n)._get_backend(device).options._timeout.total_seconds() for n in names}
+    return {group_timeout(_resolve_process_group(n)).total_seconds() for n in names}
 
 
 @pytest.mark.parametrize("config_timeout_s", [None, 7.0])

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 import zpp_compile
-from zpp_compile.sharding import local_shard, shard_spec
+from zpp_compile.sharding import shard_spec
 
-from .models import batch, build, loss_of
+from .models import batch, build, gradient_errors, loss_of, lowering_of, sharded_with_reference
 
 LOCAL_BATCH = 2
 # bf16 keeps 8 significant bits: one rounding is 2^-9 ~ 2e-3 relative; a forward and backward
@@ -40,30 +40,13 @@ def _bf16_reference_grads(name: str, master: torch.nn.Module, x: torch.Tensor, y
             p_master.grad = p.grad.float()
 
 
-def _grad_errors(model: torch.nn.Module, master: torch.nn.Module, step: int) -> dict[str, float]:
-    grads = [p.grad.reshape(-1) for p in master.parameters() if p.grad is not None]
-    scale = torch.linalg.vector_norm(torch.cat(grads)).item()
-    errors = {}
-    for (fqn, p), ref in zip(model.named_parameters(), master.parameters()):
-        if ref.grad is None:
-            continue
-        expected = local_shard(ref.grad, shard_spec(p), dist.get_rank())
-        errors[f"step {step} grad {fqn}"] = (p.grad - expected).norm().item() / scale
-    return errors
-
-
 def train_mixed_precision(name: str, mode: str, reduce_dtype, steps: int = 3, config: Optional[dict] = None) -> dict:
     """Train sharded with param_dtype=bf16 and, alongside, the single-process bf16/fp32 reference."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    model = build(name)
-    master = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW([p for p in master.parameters() if p.requires_grad], lr=1e-2)
-    lowering = "aot_eager" if mode == "aot_eager" else "inductor"
-    mp = zpp_compile.Config(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, lowering=lowering, **(config or {}))
-    zpp_compile.shard(model, mp)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    run = model if mode == "eager" else torch.compile(model, backend="zeropp")
+    mp = zpp_compile.Config(
+        param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, lowering=lowering_of(mode), **(config or {})
+    )
+    model, run, opt, master, ref_opt = sharded_with_reference(name, mode, mp)
     errors = {}
     with zpp_compile.comm_counter().trace() as collectives:
         for step in range(steps):
@@ -71,7 +54,7 @@ def train_mixed_precision(name: str, mode: str, reduce_dtype, steps: int = 3, co
             loss = loss_of(name, run, x.chunk(world)[rank], y.chunk(world)[rank])
             loss.backward()
             _bf16_reference_grads(name, master, x, y)
-            errors.update(_grad_errors(model, master, step))
+            errors.update(gradient_errors(model, master, step))
             grad_dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
             for optimizer in (opt, ref_opt):
                 optimizer.step()
@@ -141,7 +124,7 @@ def autocast_vs_reference(name: str, mode: str) -> dict[str, float]:
         ref_loss = loss_of(name, reference, x, y)
     loss.backward()
     ref_loss.backward()
-    return _grad_errors(model, reference, 0)
+    return gradient_errors(model, reference, 0)
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager"])

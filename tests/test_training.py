@@ -10,9 +10,17 @@ import torch
 import torch.distributed as dist
 
 import zpp_compile
-from zpp_compile.sharding import local_shard, shard_spec
+from zpp_compile.sharding import shard_spec
 
-from .models import batch, build, loss_of, quantize_dequantize_per_shard
+from .models import (
+    batch,
+    build,
+    gradient_errors,
+    loss_of,
+    lowering_of,
+    quantize_dequantize_per_shard,
+    sharded_with_reference,
+)
 
 LOCAL_BATCH = 2
 RTOL = 1e-5
@@ -29,23 +37,6 @@ def _reference_backward(name, model, step, world, micro_batches):
         loss_of(name, model, x, y).backward()
 
 
-def _gradient_errors(sharded: torch.nn.Module, reference: torch.nn.Module, step: int) -> dict[str, float]:
-    """This rank's gradient shards against the same slice of the reference gradients.
-
-    Checked apart from the parameters because Adam is blind to a constant gradient scale: a wrong
-    average would not show in the parameters at all. Errors are relative to the norm of the whole
-    reference gradient: a scalar's gradient is a sum with cancellation, so its own norm is no scale.
-    """
-    grads = [p.grad for p in reference.parameters() if p.grad is not None]
-    scale = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item()
-    errors = {}
-    for (name, p), ref in zip(sharded.named_parameters(), reference.parameters()):
-        if p.requires_grad:
-            expected = local_shard(ref.grad, shard_spec(p), dist.get_rank())
-            errors[f"step {step} grad {name}"] = (p.grad - expected).norm().item() / scale
-    return errors
-
-
 def train_vs_reference(name: str, mode: str, steps: int, micro_batches: int = 1, **config) -> dict[str, float]:
     """Train `steps` AdamW steps sharded (mode "eager" / "inductor" / "aot_eager") and unsharded.
 
@@ -53,23 +44,18 @@ def train_vs_reference(name: str, mode: str, steps: int, micro_batches: int = 1,
     weights are the int8 values the sharded model stores, so training must still match exactly.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    model = build(name)
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
-
-    lowering = "aot_eager" if mode == "aot_eager" else "inductor"
-    zpp_compile.shard(model, zpp_compile.Config(lowering=lowering, **config))
+    config = zpp_compile.Config(lowering=lowering_of(mode), **config)
+    model, run, opt, reference, ref_opt = sharded_with_reference(name, mode, config)
     _use_stored_frozen_values(reference, model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    run = model if mode == "eager" else torch.compile(model, backend="zeropp")
     errors = {}
     for step in range(steps):
         for micro in range(micro_batches):
             x, y = batch(name, LOCAL_BATCH * world, step * micro_batches + micro)
             loss_of(name, run, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
         _reference_backward(name, reference, step, world, micro_batches)
-        errors.update(_gradient_errors(model, reference, step))
+        # Gradients are checked apart from the parameters because Adam is blind to a constant
+        # gradient scale: a wrong average would not show in the parameters at all.
+        errors.update(gradient_errors(model, reference, step))
         for optimizer in (opt, ref_opt):
             optimizer.step()
             optimizer.zero_grad()

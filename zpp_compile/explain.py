@@ -9,7 +9,7 @@ from torch import nn
 
 from .comm import comm_counter
 from .plan import CommPlan
-from .sharding import sharded_state
+from .sharding import sharded_state, unwrap_compiled
 
 
 def explain(model: nn.Module, *inputs: Any, **kwargs: Any) -> CommPlan:
@@ -20,7 +20,7 @@ def explain(model: nn.Module, *inputs: Any, **kwargs: Any) -> CommPlan:
     Parameter gradients are restored afterwards, so a training loop is not disturbed. Like a
     training step it is collective: every rank must call it with inputs of the same shapes.
     """
-    original = getattr(model, "_orig_mod", model)
+    original = unwrap_compiled(model)
     state = sharded_state(original)
     compiled = model if original is not model else torch.compile(model, backend="zeropp")
     params = list(original.parameters())

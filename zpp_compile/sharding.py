@@ -129,6 +129,11 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(getattr(model, "_zpp_state", None), ShardedState)
 
 
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module torch.compile(model) wraps (its _orig_mod), or `model` itself."""
+    return getattr(model, "_orig_mod", model)
+
+
 def sharded_state(model: nn.Module) -> ShardedState:
     if not is_sharded(model):
         raise ValueError("this model is not sharded: call zpp_compile.shard(model, zpp_compile.Config()) first.")

@@ -206,17 +206,17 @@ def shared_group(ranks: tuple[int, ...], timeout_s: Optional[float] = None) -> O
     """
     key = (ranks, timeout_s)
     if key not in _GROUPS:
-        group = dist.new_group(list(ranks), timeout=as_timedelta(timeout_s) or _default_group_timeout())
+        group = dist.new_group(list(ranks), timeout=as_timedelta(timeout_s) or group_timeout(dist.group.WORLD))
         _GROUPS[key] = group.group_name if isinstance(group, dist.ProcessGroup) else None
     return _GROUPS[key]
 
 
-def _default_group_timeout() -> Optional[datetime.timedelta]:
-    """The timeout init_process_group(timeout=...) gave the default group: new groups would
-    otherwise get torch's built-in default (30 min on gloo), not the one the user chose."""
+def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
+    """The collective timeout of `group`. Read from the default group for new groups, which would
+    otherwise get torch's built-in default (30 min on gloo), not the one init_process_group got."""
     for device in (torch.device("cuda"), torch.device("cpu")):  # whichever backend the group has
         try:
-            return dist.group.WORLD._get_backend(device).options._timeout
+            return group._get_backend(device).options._timeout
         except (AttributeError, RuntimeError):  # none for this device, or one without options
             continue
     return None  # torch's default applies

@@ -14,12 +14,11 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..sharding import shard_spec, sharded_state
+from ..sharding import shard_spec, sharded_state, unwrap_compiled
 from .flat_sharded_tensor import FlatShardedTensor, local_range
 from .optimizer import (
     SHARDED_STATE_KEY,
     _optimizer_params,
-    _unwrap,
     load_optimizer_state_dict,
     optimizer_state_dict,
 )
@@ -44,7 +43,7 @@ def save_checkpoint(
     rank writes its own elements; nothing is gathered. `extra` holds values equal on every rank
     (a step counter, a data-loader position): DCP writes one copy of each.
     """
-    model = _unwrap(model)
+    model = unwrap_compiled(model)
     sharded_state(model)
     state: dict[str, Any] = {MODEL_KEY: model.state_dict()}
     if optim is not None:
@@ -69,7 +68,7 @@ def load_checkpoint(
     (without `strict`, entries the checkpoint lacks keep their values). `optim` may be freshly
     built (no state yet).
     """
-    model = _unwrap(model)
+    model = unwrap_compiled(model)
     sharded_state(model)
     metadata = dcp.FileSystemReader(path).read_metadata()
     paths: dict[str, tuple] = metadata.planner_data

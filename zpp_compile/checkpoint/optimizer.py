@@ -8,15 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..sharding import shard_spec, sharded_state, state_of_shard
+from ..sharding import shard_spec, sharded_state, state_of_shard, unwrap_compiled
 from .flat_sharded_tensor import FlatShardedTensor, local_range
 from .state_dict import CheckpointMismatchError, _local_values, _rank_of, _write_local
 
 SHARDED_STATE_KEY = "sharded_state"  # in an optimizer state dict: [[fqn, state key], ...] that are sharded
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "_orig_mod", model)  # a torch.compile'd module: the model it wraps
 
 
 def _optimizer_params(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[tuple[str, Tensor]]]:
@@ -48,7 +44,7 @@ def optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict
     tensor, assumed equal on every rank; other values are kept as they are. Tied parameters
     appear once, under the name shard() gave them (the first one).
     """
-    model = _unwrap(model)
+    model = unwrap_compiled(model)
     state: dict[str, dict[str, Any]] = {}
     sharded_keys: list[list[str]] = []
     groups = []
@@ -86,7 +82,7 @@ def load_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, st
     Works on a fresh optimizer (no state yet): the state tensors are created. Hyper-parameters of
     the param groups are taken from the state dict, as torch.optim.Optimizer.load_state_dict does.
     """
-    model = _unwrap(model)
+    model = unwrap_compiled(model)
     named_groups = _optimizer_params(model, optim)
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(named_groups):
