@@ -15,7 +15,8 @@ from torch import nn
 import zpp_compile
 from examples.gpt import GPT, GPTConfig
 from zpp_compile.codegen.quantize import dequantize_int8_blocks, quantize_int8_blocks
-from zpp_compile.sharding import ShardSpec, local_shard, shard_spec
+from zpp_compile.layout import ShardSpec, shard_spec
+from zpp_compile.sharding import local_chunk, padded_flat_chunk
 
 TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -78,13 +79,54 @@ class CheckpointedMLP(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
+class ShortMLP(nn.Module):
+    """Layers shorter than the world along dim 0 (3 rows): at world 4 one rank holds no rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(13, 3)
+        self.fc2 = nn.Linear(3, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def hf_gpt2(dropout: float = 0.0) -> nn.Module:
+    """A tiny Hugging Face GPT-2 from a config (nothing downloaded); GPT-2's default dropout is 0.1."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def hf_llama() -> nn.Module:
+    """A tiny Hugging Face Llama from a config: RMSNorm, rotary buffers, grouped-query attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+HF_MODELS = ("hf_gpt2", "hf_llama")
+TOKEN_MODELS = ("gpt", *HF_MODELS)
+
+
 def build(name: str) -> nn.Module:
     models = {
         "mlp": OddMLP,
+        "short_mlp": ShortMLP,
         "broken_mlp": BrokenMLP,
         "ckpt_mlp": CheckpointedMLP,
         "no_grad_mlp": NoGradNormMLP,
         "gpt": lambda: GPT(TINY_GPT),
+        "hf_gpt2": hf_gpt2,
+        "hf_llama": hf_llama,
     }
     return models[name]()
 
@@ -92,7 +134,7 @@ def build(name: str) -> nn.Module:
 def batch(name: str, global_batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of one step: identical on every rank (each rank takes its slice)."""
     g = torch.Generator().manual_seed(1000 + step)
-    if name == "gpt":
+    if name in TOKEN_MODELS:
         tokens = torch.randint(0, TINY_GPT.vocab_size, (global_batch, TINY_GPT.block_size + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
     return torch.randn(global_batch, 13, generator=g), torch.randn(global_batch, 7, generator=g)  # the MLPs
@@ -101,16 +143,23 @@ def batch(name: str, global_batch: int, step: int) -> tuple[torch.Tensor, torch.
 def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if name == "gpt":
         return model(x, y)
+    if name in HF_MODELS:  # Hugging Face shifts the labels itself
+        return model(input_ids=x, labels=x).loss
     return F.mse_loss(model(x), y)
 
 
 def quantize_dequantize_per_shard(full: torch.Tensor, spec: ShardSpec, block: int) -> torch.Tensor:
-    """What every rank sees after an int8 gather: each rank's shard quantized on its own."""
+    """What every rank sees after an int8 gather: each rank's padded part quantized on its own."""
     pieces = []
     for r in range(spec.group_size):
-        q, scale = quantize_int8_blocks(local_shard(full, spec, r), block)
+        q, scale = quantize_int8_blocks(padded_flat_chunk(local_chunk(full, spec, r), spec), block)
         pieces.append(dequantize_int8_blocks(q, scale, full.dtype)[: spec.shard_numel])
     return torch.cat(pieces)[: spec.numel].view(full.shape)
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk of a sharded parameter's gradient, as a plain tensor."""
+    return param.grad.to_local()
 
 
 def gpt_loss_curve(
@@ -130,7 +179,7 @@ def gpt_loss_curve(
         loss = loss_of("gpt", compiled, x.chunk(world)[rank], y.chunk(world)[rank])
         loss.backward()
         if grads is not None:
-            grads.append([p.grad.clone() for p in model.parameters()])
+            grads.append([local_grad(p).clone() for p in model.parameters()])
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -171,6 +220,6 @@ def gradient_errors(sharded: nn.Module, reference: nn.Module, step: int) -> dict
     errors = {}
     for (name, p), ref in zip(sharded.named_parameters(), reference.parameters()):
         if p.requires_grad:
-            expected = local_shard(ref.grad, shard_spec(p), dist.get_rank())
-            errors[f"step {step} grad {name}"] = (p.grad - expected).norm().item() / scale
+            expected = local_chunk(ref.grad, shard_spec(p), dist.get_rank())
+            errors[f"step {step} grad {name}"] = (local_grad(p) - expected).norm().item() / scale
     return errors

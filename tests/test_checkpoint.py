@@ -11,7 +11,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import zpp_compile
-from zpp_compile.sharding import shard_spec
+from torch.distributed.tensor import DTensor
+
+from zpp_compile.layout import int8_payload, shard_spec
 
 from .models import OddMLP, batch, build, loss_of
 
@@ -42,18 +44,14 @@ def _train(name: str, run: nn.Module, opt: torch.optim.Optimizer, steps: range) 
 
 
 def _full_optimizer_state(opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """Every state tensor shaped like its shard, all-gathered to the parameter's full shape (collective)."""
+    """Every state tensor, DTensor ones all-gathered to the parameter's full shape (collective)."""
     out = {}
     for group in opt.param_groups:
         for p in group["params"]:
-            spec = shard_spec(p)
-            out[spec.fqn] = {}
-            for key, value in opt.state[p].items():
-                if value.shape == p.shape:
-                    pieces = [torch.empty_like(value) for _ in range(dist.get_world_size())]
-                    dist.all_gather(pieces, value.contiguous())
-                    value = torch.cat(pieces)[: spec.numel].view(spec.shape)
-                out[spec.fqn][key] = value.clone()
+            out[shard_spec(p).fqn] = {
+                key: (value.full_tensor() if isinstance(value, DTensor) else value).clone()
+                for key, value in opt.state[p].items()
+            }
     return out
 
 
@@ -188,16 +186,14 @@ def state_dict_forms(path: str) -> dict:
     result = {
         "keys": list(sd) == list(unsharded.state_dict()),
         "shapes": all(sd[k].shape == v.shape for k, v in unsharded.state_dict().items()),
-        "all_sharded": all(isinstance(v, zpp_compile.FlatShardedTensor) for v in sd.values()),
+        "all_sharded": all(isinstance(v, DTensor) for v in sd.values()),
         "submodule_keys": list(model.blocks[1].attn.state_dict()) == list(unsharded.blocks[1].attn.state_dict()),
         "submodule_shape": model.blocks[1].attn.state_dict()["qkv.weight"].shape == (96, 32),
     }
-    # This rank's slice of the flattened weight, nothing more: [rank * s, (rank + 1) * s) of 96 * 32.
+    # This rank's rows of the weight, nothing more: rows [rank * 48, (rank + 1) * 48) of 96.
     qkv = sd["blocks.0.attn.qkv.weight"]
-    s = 96 * 32 // world
-    result["slice"] = (qkv.start, qkv.stop) == (rank * s, (rank + 1) * s) and torch.equal(
-        qkv.local, zpp_compile.full_state_dict(model)["blocks.0.attn.qkv.weight"].reshape(-1)[rank * s : (rank + 1) * s]
-    )
+    full_qkv = zpp_compile.full_state_dict(model)["blocks.0.attn.qkv.weight"]
+    result["slice"] = torch.equal(qkv.to_local(), full_qkv[rank * 96 // world : (rank + 1) * 96 // world])
 
     # A full, unsharded state dict (a pretrained export) loads into the sharded model.
     model.load_state_dict(unsharded.state_dict())
@@ -209,7 +205,7 @@ def state_dict_forms(path: str) -> dict:
     other = zpp_compile.shard(build("gpt"), _config())
     missing = other.load_state_dict(model.state_dict())
     result["sharded_load"] = not missing.missing_keys and all(
-        torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters())
+        torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), other.parameters())
     )
     x, y = batch("gpt", LOCAL_BATCH * world, 0)
     loss_of("gpt", torch.compile(other, backend="zeropp"), x.chunk(world)[rank], y.chunk(world)[rank]).backward()
@@ -220,7 +216,7 @@ def state_dict_forms(path: str) -> dict:
     torch.manual_seed(2)
     third = zpp_compile.shard(build("gpt"), _config())
     dcp.load({"model": third}, checkpoint_id=path)
-    result["plain_dcp"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), third.parameters()))
+    result["plain_dcp"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), third.parameters()))
 
     # Errors name the key.
     bad = unsharded.state_dict()
@@ -245,7 +241,7 @@ def test_state_dict_keeps_names_and_shapes_and_takes_a_full_state_dict(pools, tm
             assert result[check], check
         for check in ("full_load", "still_tied", "sharded_load", "trains", "plain_dcp"):
             assert result[check], check
-        assert "size mismatch for blocks.1.fc.bias" in result["bad_shape"] and "(128,)" in result["bad_shape"]
+        assert "size mismatch for blocks.1.fc.bias" in result["bad_shape"] and "[128]" in result["bad_shape"]
         assert 'Missing key(s) in state_dict: "blocks.1.fc.bias"' in result["missing"]
 
 
@@ -258,7 +254,7 @@ def frozen_int8_round_trip(path: str, phase: str) -> dict:
     else:
         zpp_compile.load_checkpoint(path, model)
     return {
-        "payload": model.frozen._parameters["weight"].detach().clone(),
+        "payload": int8_payload(model.frozen, "weight").clone(),
         "full": zpp_compile.full_state_dict(model),
     }
 
@@ -325,21 +321,3 @@ def test_a_checkpoint_that_does_not_fit_names_the_keys(pools, tmp_path):
         assert "missing key(s) in the checkpoint: ['extra_scale']" in message
         assert "holds no optimizer state" in message
         assert "non-strict load: True" in message
-
-
-def test_flat_boxes_cover_a_range_with_contiguous_chunks():
-    from zpp_compile.checkpoint import flat_boxes
-
-    shape = (3, 4, 5)
-    full = torch.arange(60).view(shape)
-    for start in range(61):
-        for stop in range(start, 61):
-            boxes = flat_boxes(shape, start, stop)
-            assert len(boxes) <= 2 * len(shape) - 1
-            covered = []
-            for offsets, sizes, flat in boxes:
-                region = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-                assert region.reshape(-1).tolist() == list(range(flat, flat + region.numel()))
-                covered += region.reshape(-1).tolist()
-            assert covered == list(range(start, stop))
-    assert flat_boxes((), 0, 1) == [((), (), 0)] and flat_boxes((), 1, 1) == []

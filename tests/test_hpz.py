@@ -19,13 +19,26 @@ from .models import batch, build, loss_of
 from .workers import reset_process_state
 
 
-def _backward_gathers_of_saved_shards(record) -> list[tuple[int, str, torch.dtype]]:
-    """(numel, group name, dtype) of every backward all-gather whose input the forward saved."""
-    return [
-        (n.args[0].meta["val"].numel(), n.args[2], n.args[0].meta["val"].dtype)
-        for n in record.backward.graph.nodes
-        if n.target == c10d.all_gather_into_tensor.default and n.args[0].op == "placeholder"
-    ]
+# Inductor's post-grad passes turn the recorded graph's views into reshapes, in place.
+_UNPACKING = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.constant_pad_nd.default)
+
+
+def _saved_input(node: torch.fx.Node):
+    """The backward input an all-gather sends, through the flatten/pad that prepare a local chunk."""
+    while node.op == "call_function" and node.target in _UNPACKING:
+        node = node.args[0]
+    return node if node.op == "placeholder" else None
+
+
+def _backward_gathers_of_saved_shards(record) -> list[tuple[int, int, str, torch.dtype]]:
+    """(numel saved, numel sent, group name, dtype) of every backward all-gather of a saved input."""
+    found = []
+    for n in record.backward.graph.nodes:
+        saved = _saved_input(n.args[0]) if n.target == c10d.all_gather_into_tensor.default else None
+        if saved is not None:
+            sent = n.args[0].meta["val"]
+            found.append((saved.meta["val"].numel(), sent.numel(), n.args[2], sent.dtype))
+    return found
 
 
 @contextlib.contextmanager
@@ -62,14 +75,14 @@ def _train(name: str, config: zpp_compile.Config, steps: int, micro_batches: int
                 loss = loss_of(name, compiled, x.chunk(world)[rank], y.chunk(world)[rank])
             saved_bytes.append(sum(storages.values()))
             loss.backward()
-        grads.append([p.grad.clone() for p in trainable])
+        grads.append([p.grad.to_local().clone() for p in trainable])
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
         eval_out = compiled.eval()(batch(name, 2 * world, 99)[0].chunk(world)[rank])
     result = {
         "grads": grads,
-        "params": [p.detach().clone() for p in trainable],
+        "params": [p.to_local().detach().clone() for p in trainable],
         "eval": eval_out,
         "saved_storage_bytes": saved_bytes[-1],
         "bw_gather_inter": counter.bytes(phase="backward", op="all_gather", locality="inter"),
@@ -107,12 +120,12 @@ def _check(result: dict, hpz_size: int) -> None:
     # The forward saved secondary shards only: 1/hpz_size of each re-gathered (padded) weight,
     # where plain ZeRO-3 saved the 1/world primary shard; and each is gathered over the hpZ group.
     assert len(hpz["saved_gathers"]) == len(plain["saved_gathers"]) > 0
-    plain_numel = sum(n for n, _, _ in plain["saved_gathers"])
-    assert sum(n for n, _, _ in hpz["saved_gathers"]) == plain_numel * world // hpz_size
-    assert {g for _, g, _ in hpz["saved_gathers"]} == {hpz["hpz_group"]}
+    plain_sent = sum(sent for _, sent, _, _ in plain["saved_gathers"])
+    assert sum(sent for _, sent, _, _ in hpz["saved_gathers"]) == plain_sent * world // hpz_size
+    assert {g for _, _, g, _ in hpz["saved_gathers"]} == {hpz["hpz_group"]}
     # And the memory autograd really holds grows by exactly that: the secondary shards own their
     # storage (a view into the gathered weight would keep the whole weight alive).
-    extra = sum(n * 4 for n, _, _ in hpz["saved_gathers"]) - sum(n * 4 for n, _, _ in plain["saved_gathers"])
+    extra = sum(n * 4 for n, _, _, _ in hpz["saved_gathers"]) - sum(n * 4 for n, _, _, _ in plain["saved_gathers"])
     assert hpz["saved_storage_bytes"] - plain["saved_storage_bytes"] == extra
 
 
@@ -143,7 +156,7 @@ def test_int8_secondary_gives_the_same_gradients_for_a_quarter_of_the_bytes(pool
         # Each int8 secondary holds world/hpz = 2 whole payloads of the primary shard (int8 blocks of
         # 64, padded, + one fp32 scale each) where the dequantized one holds 2 primary shards.
         kinds = []
-        for (n_full, _, dtype_full), (n_int8, _, dtype_int8) in zip(full["saved_gathers"], int8["saved_gathers"]):
+        for (_, n_full, _, dtype_full), (_, n_int8, _, dtype_int8) in zip(full["saved_gathers"], int8["saved_gathers"]):
             if dtype_int8 == torch.int8:
                 assert n_int8 == 2 * payload_numel(n_full // 2, 64)
             else:
@@ -151,7 +164,7 @@ def test_int8_secondary_gives_the_same_gradients_for_a_quarter_of_the_bytes(pool
             kinds.append(dtype_int8)
         assert (torch.int8 in kinds) and (frozen_int8 or set(kinds) == {torch.int8}), kinds
         weight_bytes = {
-            label: sum(n * dtype.itemsize for n, _, dtype in r["saved_gathers"]) for label, r in result.items()
+            label: sum(n * dtype.itemsize for n, _, _, dtype in r["saved_gathers"]) for label, r in result.items()
         }
         saved = {label: r["saved_storage_bytes"] for label, r in result.items()}
         assert saved["full"] - saved["int8"] == weight_bytes["full"] - weight_bytes["int8"] > 0
@@ -190,4 +203,4 @@ def test_activation_checkpointing_under_hpz_matches_the_run_without_it(pools, lo
             for x, y in zip(a, b):
                 torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=f"step {step}")
         assert checkpointed["bw_gather_inter"] == 0 and checkpointed["bw_gather_intra"] > 0
-        assert {g for _, g, _ in checkpointed["saved_gathers"]} == {checkpointed["hpz_group"]}
+        assert {g for _, _, g, _ in checkpointed["saved_gathers"]} == {checkpointed["hpz_group"]}

@@ -12,6 +12,8 @@ import zpp_compile
 from zpp_compile import passes
 from zpp_compile.backend import compiled_graphs
 
+from zpp_compile.layout import shard_spec
+
 from .models import OddMLP, batch, build, loss_of
 
 # Full weight numels of OddMLP: fc1 29x13, frozen 29x29, fc2 7x29; no activation has these sizes.
@@ -52,8 +54,9 @@ def test_the_saved_weight_check_can_see_a_saved_weight(pools):
 
 
 def test_backward_regathers_the_weights_it_needs(pools):
-    # frozen.weight, fc2.weight and scale are needed for input gradients; fc1's are not (x needs no grad).
-    assert pools(2).run(backward_gathers)[0] == [3]
+    # frozen.weight and fc2.weight are needed for input gradients; fc1's are not (x needs no grad),
+    # and the 0-d scale is replicated (nothing to gather).
+    assert pools(2).run(backward_gathers)[0] == [2]
 
 
 def counted_bytes(mode: str, bucket_bytes: int = 0) -> dict:
@@ -61,8 +64,9 @@ def counted_bytes(mode: str, bucket_bytes: int = 0) -> dict:
     torch.manual_seed(0)
     config = zpp_compile.Config(ranks_per_node=2, gather_bucket_bytes=bucket_bytes, reduce_bucket_bytes=bucket_bytes)
     model = zpp_compile.shard(OddMLP(), config)
-    shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    trainable_shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    sharded = [p for p in model.parameters() if p.dim()]  # the 0-d scale is replicated, not gathered
+    shard_bytes = sum(shard_spec(p).shard_numel * p.element_size() for p in sharded)
+    trainable_shard_bytes = sum(shard_spec(p).shard_numel * p.element_size() for p in sharded if p.requires_grad)
     run = model if mode == "eager" else torch.compile(model, backend="zeropp")
     x, y = batch("mlp", 8, 0)
     counter = zpp_compile.comm_counter()
@@ -77,19 +81,21 @@ def counted_bytes(mode: str, bucket_bytes: int = 0) -> dict:
         "rs_intra": counter.bytes(phase="backward", op="reduce_scatter", locality="intra"),
         "rs_inter": counter.bytes(phase="backward", op="reduce_scatter", locality="inter"),
         "rs_calls": counter.calls(op="reduce_scatter"),
+        "all_reduce_calls": counter.calls(op="all_reduce"),
         "fw_gather_calls": counter.calls(phase="forward", op="all_gather"),
     }
 
 
-def _check_zero3_volume(c: dict, gathers: int = 7, reduce_scatters: int = 5) -> None:
+def _check_zero3_volume(c: dict, gathers: int = 6, reduce_scatters: int = 4) -> None:
     # 4 ranks on 2 nodes: each rank has 1 peer on its node and 2 on the other.
     assert c["fw_gather_intra"] == c["shard_bytes"]
     assert c["fw_gather_inter"] == 2 * c["shard_bytes"]
     assert c["fw_gather_received"] == 3 * c["shard_bytes"]
     assert c["rs_intra"] == c["trainable_shard_bytes"]
     assert c["rs_inter"] == 2 * c["trainable_shard_bytes"]
-    assert c["fw_gather_calls"] == gathers  # unbucketed: 7 parameters, the frozen ones included
+    assert c["fw_gather_calls"] == gathers  # unbucketed: 6 sharded parameters, the frozen ones included
     assert c["rs_calls"] == reduce_scatters  # unbucketed: only trainable parameters get gradients
+    assert c["all_reduce_calls"] == 1  # the replicated scale's gradient
 
 
 def test_counter_matches_zero3_volume_eager(pools):
@@ -143,7 +149,7 @@ def test_explain_lists_the_collectives_of_one_step(pools):
     assert "all_gather" in text and "reduce_scatter" in text and "float32" in text
     assert plan_bytes == counted > 0
     assert inter == plan_bytes  # ranks_per_node=1: every peer is on another node
-    assert reduce_scatters == 1  # the 5 trainable parameters' gradients share one default-size bucket
+    assert reduce_scatters == 1  # the 4 sharded trainable gradients share one default-size bucket
     assert grads_untouched
 
 

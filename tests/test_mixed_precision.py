@@ -87,7 +87,9 @@ def _check(
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
 @pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
 def test_bf16_compute_with_fp32_masters_matches_single_process_reference(pools, mode, reduce_dtype):
-    wire = {("all_gather", torch.bfloat16), ("reduce_scatter", reduce_dtype or torch.bfloat16)}
+    # OddMLP's 0-d `scale` is replicated: its gradient is all-reduced, in the reduce dtype too.
+    reduce = reduce_dtype or torch.bfloat16
+    wire = {("all_gather", torch.bfloat16), ("reduce_scatter", reduce), ("all_reduce", reduce)}
     _check(pools(2).run(train_mixed_precision, "mlp", mode, reduce_dtype), wire)
 
 

@@ -11,7 +11,7 @@ import zpp_compile
 from zpp_compile.codegen.int4 import QMAX, chunk_payload_numel
 from zpp_compile.codegen.registry import kernel_set
 from zpp_compile.error_feedback import new_slot, stored_error_bytes
-from zpp_compile.ops import padded_numel
+from zpp_compile.layout import shard_spec
 from zpp_compile.passes.qgz import qgz_reduce_scatter
 from zpp_compile.topology import build_topology
 
@@ -56,10 +56,12 @@ def max_excess_over_bound(ranks_per_node: int, dtype: torch.dtype, kernels: str 
     nodes = world // ranks_per_node
     worst = -float("inf")
     bucket = [_rank_gradient(rank, numel, dtype) for numel in NUMELS]
-    reduced = qgz_reduce_scatter(*bucket, numels=NUMELS, topology=topology, block=BLOCK, kernels=kernel_set(kernels))
-    for numel, mine in zip(NUMELS, reduced):
+    shards = [-(-numel // world) for numel in NUMELS]  # 1-D gradients: ceil(numel / world) each
+    reduced = qgz_reduce_scatter(
+        *bucket, numels=NUMELS, shards=shards, topology=topology, block=BLOCK, kernels=kernel_set(kernels)
+    )
+    for numel, shard, mine in zip(NUMELS, shards, reduced):
         grads = [_rank_gradient(r, numel, dtype) for r in range(world)]
-        shard = padded_numel(numel, world) // world
         chunk = -(-shard // BLOCK) * BLOCK
         blocks = torch.stack([_blocks(g, world, shard, chunk) for g in grads])  # [rank, dest, block, i]
         stage1 = _half_step(blocks)
@@ -104,7 +106,9 @@ def repeated_reduction_errors(steps: int) -> dict[str, list[float]]:
     for label, slots in (("plain", None), ("error feedback", (new_slot(), new_slot()))):
         running, errors = torch.zeros(shard), []
         for step in range(1, steps + 1):
-            (reduced,) = qgz_reduce_scatter(grads[rank], numels=[numel], topology=topology, block=BLOCK, error_slots=slots)
+            (reduced,) = qgz_reduce_scatter(
+                grads[rank], numels=[numel], shards=[shard], topology=topology, block=BLOCK, error_slots=slots
+            )
             running += reduced
             errors.append(((running / step - exact).abs().max() / exact.abs().max()).item())
         curves[label] = errors
@@ -137,7 +141,7 @@ def qgz_training(steps: int) -> dict:
             "inter_per_step": counter.bytes(phase="backward", locality="inter", op="all_to_all") / steps,
             "reduce_scatters": counter.calls(phase="backward", op="reduce_scatter"),
             "all_to_alls_per_step": counter.calls(phase="backward", op="all_to_all") / steps,
-            "shards": [p.numel() for p in model.parameters()],
+            "shards": [shard_spec(p).shard_numel for p in model.parameters()],
             "error_state_bytes": stored_error_bytes(),
         }
         zpp_compile.clear_error_feedback()

@@ -11,7 +11,7 @@ from torch import nn
 
 import zpp_compile
 from zpp_compile.codegen.quantize import payload_numel
-from zpp_compile.sharding import shard_spec
+from zpp_compile.layout import int8_payload, shard_spec
 
 from .models import batch, build, gpt_loss_curve, quantize_dequantize_per_shard
 from .workers import reset_process_state
@@ -27,7 +27,8 @@ def forward_matches_dequantized_reference(name: str, dtype: torch.dtype) -> floa
     zpp_compile.shard(model, zpp_compile.Config(quantize_weights=True, weight_block_size=BLOCK))
     with torch.no_grad():
         for (_, p_ref), p in zip(reference.named_parameters(), model.parameters()):
-            p_ref.copy_(quantize_dequantize_per_shard(p_ref, shard_spec(p), BLOCK))
+            if not shard_spec(p).replicated:  # a replicated (0-d) parameter is not gathered
+                p_ref.copy_(quantize_dequantize_per_shard(p_ref, shard_spec(p), BLOCK))
     x, _ = batch(name, 2 * world, 0)
     x = x.chunk(world)[rank]
     x = x if name == "gpt" else x.to(dtype)
@@ -69,7 +70,7 @@ def _gather_bytes_per_peer(model: nn.Module, dtype: torch.dtype = torch.float32)
 def forward_gather_bytes(block: int, dtype: torch.dtype) -> tuple[int, int, int]:
     model = _two_layers().to(dtype)
     zpp_compile.shard(model, zpp_compile.Config(quantize_weights=True, weight_block_size=block))
-    return *_gather_bytes_per_peer(model, dtype), sum(p.numel() * dtype.itemsize for p in model.parameters())
+    return *_gather_bytes_per_peer(model, dtype), sum(shard_spec(p).shard_numel * dtype.itemsize for p in model.parameters())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -84,18 +85,20 @@ def test_forward_gather_sends_int8_plus_one_scale_per_block(pools, block, dtype)
         assert bw == 2048 * dtype.itemsize
 
 
-def frozen_layer_bytes(block: int) -> tuple[int, int, torch.dtype, int]:
+def frozen_layer_bytes(block: int) -> tuple[int, int, torch.dtype, int, tuple]:
     model = _two_layers()
     model[2].requires_grad_(False)  # frozen, after a trainable layer: backward needs it too
     zpp_compile.shard(model, zpp_compile.Config(quantize_frozen_weights=True, weight_block_size=block))
-    stored = model[2]._parameters["weight"]
-    return *_gather_bytes_per_peer(model), stored.dtype, stored.numel()
+    stored = int8_payload(model[2], "weight")
+    param = model[2].weight  # still reports what it stands for
+    return *_gather_bytes_per_peer(model), stored.dtype, stored.numel(), (tuple(param.shape), param.dtype)
 
 
 def test_frozen_weight_is_stored_and_gathered_as_int8_in_forward_and_backward(pools):
     block = 64
-    for fw, bw, stored_dtype, stored_numel in pools(4).run(frozen_layer_bytes, block):
+    for fw, bw, stored_dtype, stored_numel, reported in pools(4).run(frozen_layer_bytes, block):
         assert stored_dtype == torch.int8 and stored_numel == payload_numel(2048, block)
+        assert reported == ((128, 64), torch.float32)
         assert fw == 1024 * 4 + payload_numel(2048, block)  # the trainable layer stays fp32
         assert bw == payload_numel(2048, block)  # the re-gather for the input gradient is int8 too
 

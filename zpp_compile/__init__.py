@@ -15,7 +15,6 @@ from .backend import (
 )
 from .checkpoint import (
     CheckpointMismatchError,
-    FlatShardedTensor,
     load_checkpoint,
     load_optimizer_state_dict,
     optimizer_state_dict,
@@ -28,7 +27,9 @@ from .explain import explain
 from .faults import CollectiveError
 from .plan import CommPlan, peak_collective_bytes
 from .schedule_check import ScheduleMismatchError
-from .sharding import ShardingError, full_state_dict, is_sharded, shard
+from .clip import clip_grad_norm_, get_total_norm
+from .layout import ShardingError, is_sharded
+from .sharding import full_state_dict, shard
 from .topology import DistributedNotInitializedError, Topology
 
 _register_backend()
@@ -42,7 +43,6 @@ __all__ = [
     "CommPlan",
     "Config",
     "DistributedNotInitializedError",
-    "FlatShardedTensor",
     "NotShardedError",
     "RecompileStormWarning",
     "ScheduleMismatchError",
@@ -50,9 +50,11 @@ __all__ = [
     "Topology",
     "comm_counter",
     "clear_error_feedback",
+    "clip_grad_norm_",
     "compiled_graphs",
     "explain",
     "full_state_dict",
+    "get_total_norm",
     "is_sharded",
     "load_checkpoint",
     "load_optimizer_state_dict",

@@ -30,7 +30,7 @@ from . import comm, passes
 from .faults import explained_collective_failures
 from .plan import collectives_in
 from .schedule_check import check_schedule
-from .sharding import ShardedState, shard_spec, state_of_shard
+from .layout import ShardedState, shard_spec, state_of_shard
 from .topology import require_initialized
 
 log = logging.getLogger(__name__)
@@ -141,15 +141,15 @@ def _sharded_state_of(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Opti
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     states = []
     for node, value in zip(placeholders, example_inputs):
-        if not isinstance(value, nn.Parameter):
+        if shard_spec(value) is not None:
+            states.append(state_of_shard(value))
             continue
-        if shard_spec(value) is None:
+        if isinstance(value, nn.Parameter):
             raise NotShardedError(
                 f"torch.compile(backend='zeropp') got an unsharded parameter ({node.name}, shape "
                 f"{tuple(value.shape)}): call zpp_compile.shard(model, zpp_compile.Config()) before "
                 "torch.compile, and add no parameters to the model after shard()."
             )
-        states.append(state_of_shard(value))
     if any(s is not states[0] for s in states):
         raise NotShardedError("one compiled graph mixes parameters of differently sharded models; compile them apart.")
     return states[0] if states else None
@@ -157,13 +157,18 @@ def _sharded_state_of(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Opti
 
 def _partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: passes.PassContext, **kwargs: Any):
     joint_ctx = ctx.for_phase("joint")
-    joint_passes = [] if ctx.config.save_gathered_weights else passes.JOINT_PASSES
+    joint_passes = passes.JOINT_PASSES
+    if ctx.config.save_gathered_weights:  # keep the gathered weights: no recompute tags
+        joint_passes = [p for p in joint_passes if p is not passes.tag_gathers_for_recompute]
     joint_gm = passes.run_passes(joint_gm, joint_ctx, joint_passes)
     fw_gm, bw_gm = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
     passes.check_no_gathered_weight_saved(fw_gm, bw_gm, joint_ctx)
     fw_gm, bw_gm = passes.run_partition_passes(fw_gm, bw_gm, ctx.for_phase("partitioned"))
     saved = [p for p in bw_gm.graph.nodes if p.op == "placeholder" and not p.name.startswith("tangents")]
-    _RECORDS[ctx.graph_id].saved_for_backward = [p.meta["val"] for p in saved if "val" in p.meta]
+    # Tensors only: DTensor inputs also hand their mesh (an opaque object) to the backward.
+    _RECORDS[ctx.graph_id].saved_for_backward = [
+        p.meta["val"] for p in saved if isinstance(p.meta.get("val"), torch.Tensor)
+    ]
     return fw_gm, bw_gm
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .topology import Topology
 
-CollectiveOp = Literal["all_gather", "reduce_scatter", "all_to_all"]
+CollectiveOp = Literal["all_gather", "reduce_scatter", "all_to_all", "all_reduce"]
 Phase = Literal["forward", "backward"]
 Locality = Literal["intra", "inter"]
 Direction = Literal["sent", "received"]
@@ -47,6 +47,8 @@ class Collective:
         """Bytes this rank sends to (and receives from) each other member of the group."""
         if self.op == "all_gather":
             return self.input_bytes
+        if self.op == "all_reduce":  # a reduce-scatter and an all-gather of the result
+            return 2 * self.input_bytes // len(self.group_ranks)
         return self.input_bytes // len(self.group_ranks)
 
     def bytes_by_locality(self, topology: Topology) -> dict[Locality, int]:

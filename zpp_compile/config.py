@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 Lowering = Literal["inductor", "aot_eager"]
 
@@ -135,6 +139,35 @@ class Config:
                 f"Config.dump_graphs_dir must be a folder path, got {type(self.dump_graphs_dir).__name__}."
             )
 
+    @classmethod
+    def from_deepspeed(cls, ds_config: Union[Mapping[str, Any], str, os.PathLike], **overrides: Any) -> Config:
+        """The Config closest to a DeepSpeed ZeRO-3 / ZeRO++ config: a dict, or a JSON file's path.
+
+        Keyword arguments are Config fields, applied last. Keys with no counterpart warn; keys that
+        would change training and that zpp_compile cannot honour (ZeRO stage 1/2, offload) raise.
+        The mapping: zpp_compile/migration.py and docs/migration.md.
+        """
+        from .migration import config_from_deepspeed  # only when used: keeps `import zpp_compile` light
+
+        return config_from_deepspeed(ds_config, **overrides)
+
+    @classmethod
+    def from_fsdp2(
+        cls,
+        mp_policy: Optional[MixedPrecisionPolicy] = None,
+        reshard_after_forward: Union[bool, int, None] = True,
+        **overrides: Any,
+    ) -> Config:
+        """The Config matching FSDP2's fully_shard(mp_policy=..., reshard_after_forward=...).
+
+        reshard_after_forward: True (ZeRO-3), False (save_gathered_weights=True) or an int K
+        (hpz_size=K; K must divide the ranks per node). Keyword arguments are Config fields,
+        applied last. The mapping: zpp_compile/migration.py and docs/migration.md.
+        """
+        from .migration import config_from_fsdp2
+
+        return config_from_fsdp2(mp_policy, reshard_after_forward, **overrides)
+
     @property
     def hpz_enabled(self) -> bool:
         return self.hpz_size is not None and self.hpz_size > 1
@@ -177,11 +210,25 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def _require_float_dtype_or_none(config: Config, name: str) -> None:
     value = getattr(config, name)
+    if value is not None and not isinstance(value, torch.dtype) and _is_fsdp2_mixed_precision_policy(value):
+        raise TypeError(
+            f"Config.{name} takes a torch dtype, got FSDP2's MixedPrecisionPolicy; build the Config "
+            "from the policy with Config.from_fsdp2(mp_policy=...)."
+        )
     if value is not None and value not in _FLOAT_DTYPES:
         raise ValueError(
             f"Config.{name}={value!r} is not a floating-point torch dtype; use torch.bfloat16, "
             "torch.float16 or torch.float32 (or None for no mixed precision)."
         )
+
+
+def _is_fsdp2_mixed_precision_policy(value: object) -> bool:
+    # Imported only for a value that is not a dtype: config.py itself never loads FSDP.
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:  # a torch built without torch.distributed has no policy to mistake
+        return False
+    return isinstance(value, MixedPrecisionPolicy)
 
 
 def _require_positive_or_none(config: Config, name: str, *, none_means: str) -> None:

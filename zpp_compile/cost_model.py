@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
+from .compat import all_gather_single
 from .config import Config
 
 _PROBE_BYTES = 4 * 2**20
@@ -57,11 +58,14 @@ class CostModel:
         return self.kernel_s + concrete(flops) / self.flops_per_s
 
 
-def build_cost_model(config: Config, group: Optional[dist.ProcessGroup] = None) -> CostModel:
-    """The Config's rates, with the missing ones measured here (collective: every rank calls it)."""
+def build_cost_model(
+    config: Config, group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None
+) -> CostModel:
+    """The Config's rates, with the missing ones measured here (collective: every rank calls it),
+    on `device` (where the model trains: NCCL groups take CUDA tensors only)."""
     measured = None
     if config.intra_node_gbps is None or config.inter_node_gbps is None or config.compute_tflops is None:
-        measured = _measure(group)
+        measured = _measure(group, device or torch.device("cpu"))
     bandwidth = measured[0] if measured else 0.0
     return CostModel(
         intra_node_bytes_per_s=config.intra_node_gbps * 1e9 / 8 if config.intra_node_gbps else bandwidth,
@@ -70,24 +74,30 @@ def build_cost_model(config: Config, group: Optional[dist.ProcessGroup] = None) 
     )
 
 
-def _measure(group: Optional[dist.ProcessGroup]) -> tuple[float, float]:
+def _measure(group: Optional[dist.ProcessGroup], device: torch.device) -> tuple[float, float]:
     """(all-gather bytes/s per rank, matmul FLOP/s), each the slowest rank's, on every rank."""
     world = dist.get_world_size(group)
-    probe = torch.zeros(_PROBE_BYTES // 4 // max(world, 1))
-    out = torch.empty(probe.numel() * world)
-    dist.all_gather_into_tensor(out, probe, group=group)  # warm-up: connections, buffers
-    start = time.perf_counter()
-    dist.all_gather_into_tensor(out, probe, group=group)
-    seconds = [time.perf_counter() - start]
-    a = torch.randn(_PROBE_MATMUL, _PROBE_MATMUL)
+    probe = torch.zeros(_PROBE_BYTES // 4 // max(world, 1), device=device)
+    out = torch.empty(probe.numel() * world, device=device)
+    all_gather_single(out, probe, group=group)  # warm-up: connections, buffers
+    seconds = [_timed(lambda: all_gather_single(out, probe, group=group), device)]
+    a = torch.randn(_PROBE_MATMUL, _PROBE_MATMUL, device=device)
     a @ a
-    start = time.perf_counter()
-    a @ a
-    seconds.append(time.perf_counter() - start)
-    slowest = torch.tensor(seconds, dtype=torch.float64)
+    seconds.append(_timed(lambda: a @ a, device))
+    slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     sent = probe.numel() * 4 * (world - 1)
     return max(sent, 1) / slowest[0].item(), 2 * _PROBE_MATMUL**3 / slowest[1].item()
+
+
+def _timed(work, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def concrete(value: Union[int, torch.SymInt]) -> int:

@@ -1,13 +1,16 @@
 """Custom ops that mark ZeRO-3 communication in the traced graph.
 
-`zpp::gather_param(shard) -> full weight` and its autograd partner `zpp::reduce_grad(full grad) ->
-averaged grad shard`. Eagerly they run plain collectives (the reference path); under tracing their
-fake impls give shapes, so Dynamo and AOTAutograd keep them as single, recognisable nodes that the
-passes in zpp_compile/passes lower to functional collectives (and, later, quantized plans).
+`zpp::gather_param(local part) -> full weight` and its autograd partner `zpp::reduce_grad(full
+grad) -> averaged padded part`; `zpp::replicated_param` / `zpp::all_reduce_grad` for parameters
+every rank holds whole; `zpp::gather_quantized_param` for weights stored or kept as int8 payloads.
+Eagerly they run plain collectives (the reference path); under tracing their fake impls give
+shapes, so Dynamo and AOTAutograd keep them as single, recognisable nodes that the passes in
+zpp_compile/passes lower to functional collectives or to the quantized plans (qwZ, hpZ, qgZ).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -16,42 +19,60 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import comm
+from .compat import all_gather_single, reduce_scatter_single
 from .codegen.quantize import weight_from_payloads
 from .faults import explained_collective_failures
-from .topology import current_topology
+from .topology import current_topology, group_timeout_s
 
-# torch 2.13 renamed the flat-tensor collectives; keep torch >= 2.11 working.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def padded_numel(numel: int, group_size: int) -> int:
-    return -(-numel // group_size) * group_size
 
 
 @torch.library.custom_op("zpp::gather_param", mutates_args=())
 def gather_param(
-    shard: Tensor,
+    local: Tensor,
     numel: int,
     shape: list[int],
+    shard_numel: int,
     group_size: int,
     group_name: str,
     *,
     dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
-    """All-gather the flat shards of one parameter and return the full, unpadded weight.
+    """All-gather one parameter from every rank's part and return the full, unpadded weight.
 
-    Mixed precision (Config.param_dtype / reduce_dtype): `dtype` is the dtype the shard is cast to
-    before the gather (so the wire and the compute carry it); the gradient is cast to
-    `reduce_dtype` before its reduce-scatter. Both None: the shard's own dtype throughout.
+    `local` is this rank's part (a DTensor's local chunk, any shape); it travels flattened and
+    zero-padded to `shard_numel` elements, so every rank sends the same bytes and the gathered
+    buffer is the full tensor followed by zeros. Mixed precision (Config.param_dtype /
+    reduce_dtype): `dtype` is the dtype the part is cast to before the gather (so the wire and
+    the compute carry it); the gradient is cast to `reduce_dtype` before its reduce-scatter.
+    Both None: the part's own dtype throughout.
     """
-    return _eager_all_gather(shard.to(dtype or shard.dtype), group_size, group_name)[:numel].view(shape)
+    flat = pad_flat(local.reshape(-1), shard_numel).to(dtype or local.dtype)
+    return _eager_all_gather(flat, group_size, group_name)[:numel].view(shape)
 
 
 @gather_param.register_fake
-def _(shard, numel, shape, group_size, group_name, *, dtype=None, reduce_dtype=None) -> Tensor:
-    return shard.new_empty(shape, dtype=dtype or shard.dtype)
+def _(local, numel, shape, shard_numel, group_size, group_name, *, dtype=None, reduce_dtype=None) -> Tensor:
+    return local.new_empty(shape, dtype=dtype or local.dtype)
+
+
+@torch.library.custom_op("zpp::replicated_param", mutates_args=())
+def replicated_param(
+    local: Tensor,
+    group_size: int,
+    group_name: str,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """A parameter every rank holds whole (DTensor Replicate; 0-d parameters): nothing to gather,
+    but its gradient is averaged over the group (zpp::all_reduce_grad). Returns a copy in `dtype`."""
+    return local.to(dtype or local.dtype, copy=True)
+
+
+@replicated_param.register_fake
+def _(local, group_size, group_name, *, dtype=None, reduce_dtype=None) -> Tensor:
+    return torch.empty_like(local, dtype=dtype or local.dtype)
 
 
 @torch.library.custom_op("zpp::gather_quantized_param", mutates_args=())
@@ -90,19 +111,35 @@ def _(
 
 
 @torch.library.custom_op("zpp::reduce_grad", mutates_args=())
-def reduce_grad(grad: Tensor, numel: int, group_size: int, group_name: str) -> Tensor:
-    """Reduce-scatter a full gradient and average it over the group: this rank's flat grad shard."""
-    flat = pad_flat(grad.reshape(-1), padded_numel(numel, group_size))
-    out = flat.new_empty(flat.numel() // group_size)
-    with _explained("the eager reduce-scatter of a gradient"):
-        _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+def reduce_grad(grad: Tensor, numel: int, shard_numel: int, group_size: int, group_name: str) -> Tensor:
+    """Reduce-scatter a full gradient and average it over the group: this rank's padded part,
+    flat, `shard_numel` elements (gather_param's backward cuts it to the local chunk)."""
+    flat = pad_flat(grad.reshape(-1), shard_numel * group_size)
+    out = flat.new_empty(shard_numel)
+    with _explained("the eager reduce-scatter of a gradient", group_name):
+        reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
     _record_eager("reduce_scatter", "backward", group_name, flat)
     return out.div_(group_size)
 
 
 @reduce_grad.register_fake
-def _(grad: Tensor, numel: int, group_size: int, group_name: str) -> Tensor:
-    return grad.new_empty(padded_numel(numel, group_size) // group_size)
+def _(grad: Tensor, numel: int, shard_numel: int, group_size: int, group_name: str) -> Tensor:
+    return grad.new_empty(shard_numel)
+
+
+@torch.library.custom_op("zpp::all_reduce_grad", mutates_args=())
+def all_reduce_grad(grad: Tensor, group_size: int, group_name: str) -> Tensor:
+    """The gradient of a replicated parameter, averaged over the group (every rank gets it whole)."""
+    out = grad.contiguous().clone()
+    with _explained("the eager all-reduce of a gradient", group_name):
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+    _record_eager("all_reduce", "backward", group_name, out)
+    return out.div_(group_size)
+
+
+@all_reduce_grad.register_fake
+def _(grad: Tensor, group_size: int, group_name: str) -> Tensor:
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("zpp::owned_copy", mutates_args=())
@@ -119,14 +156,14 @@ def _(x: Tensor) -> Tensor:
 
 def _eager_all_gather(shard: Tensor, group_size: int, group_name: str) -> Tensor:
     out = shard.new_empty(shard.numel() * group_size)
-    with _explained("the eager all-gather of a parameter"):
-        _all_gather(out, shard.contiguous(), group=_resolve_process_group(group_name))
+    with _explained("the eager all-gather of a parameter", group_name):
+        all_gather_single(out, shard.contiguous(), group=_resolve_process_group(group_name))
     _record_eager("all_gather", "forward", group_name, shard)
     return out
 
 
-def _explained(where: str):
-    return explained_collective_failures(where, current_topology().collective_timeout_s)
+def _explained(where: str, group_name: str):
+    return explained_collective_failures(where, group_timeout_s(group_name))
 
 
 def pad_flat(flat: Tensor, target_numel: int) -> Tensor:
@@ -136,19 +173,34 @@ def pad_flat(flat: Tensor, target_numel: int) -> Tensor:
 
 
 def _setup_gather_context(ctx, inputs, keyword_only_inputs, output) -> None:
-    _, ctx.numel, _, ctx.group_size, ctx.group_name = inputs
+    local, ctx.numel, _, ctx.shard_numel, ctx.group_size, ctx.group_name = inputs
+    ctx.local_shape = local.shape
     ctx.reduce_dtype = keyword_only_inputs.get("reduce_dtype")
 
 
 def _gather_backward(ctx, grad: Tensor):
-    # A gradient returned in another dtype than the shard's is cast to it by autograd: after the
+    # A gradient returned in another dtype than the part's is cast to it by autograd: after the
     # reduce-scatter, so the reduction itself runs in reduce_dtype.
     grad = grad.to(ctx.reduce_dtype or grad.dtype).contiguous()
-    grad_shard = torch.ops.zpp.reduce_grad(grad, ctx.numel, ctx.group_size, ctx.group_name)
-    return grad_shard, None, None, None, None
+    padded = torch.ops.zpp.reduce_grad(grad, ctx.numel, ctx.shard_numel, ctx.group_size, ctx.group_name)
+    local_grad = padded[: math.prod(ctx.local_shape)].view(ctx.local_shape)
+    return local_grad, None, None, None, None, None
 
 
 gather_param.register_autograd(_gather_backward, setup_context=_setup_gather_context)
+
+
+def _setup_replicated_context(ctx, inputs, keyword_only_inputs, output) -> None:
+    _, ctx.group_size, ctx.group_name = inputs
+    ctx.reduce_dtype = keyword_only_inputs.get("reduce_dtype")
+
+
+def _replicated_backward(ctx, grad: Tensor):
+    grad = grad.to(ctx.reduce_dtype or grad.dtype)
+    return torch.ops.zpp.all_reduce_grad(grad, ctx.group_size, ctx.group_name), None, None
+
+
+replicated_param.register_autograd(_replicated_backward, setup_context=_setup_replicated_context)
 
 
 def _record_eager(op: comm.CollectiveOp, phase: comm.Phase, group_name: str, payload: Tensor) -> None:

@@ -19,6 +19,7 @@ _COLLECTIVE_OPS = {
     _c10d.all_gather_into_tensor_out.default: "all_gather",  # as Inductor's bucketing writes it
     _c10d.reduce_scatter_tensor.default: "reduce_scatter",
     _c10d.all_to_all_single.default: "all_to_all",
+    _c10d.all_reduce.default: "all_reduce",
 }
 
 

@@ -1,81 +1,61 @@
-"""ZeRO-3 partitioning: every parameter becomes a flat, padded 1/world shard owned by this rank.
+"""ZeRO-3 partitioning: every parameter becomes a DTensor holding this rank's chunk (layout.py).
 
-After `shard(model)`, each module keeps its shards in `_parameters` under the original names, so
-`model.parameters()` yields shards and any optimizer steps on them unchanged. Reading
-`module.weight` goes through a property that calls `zpp::gather_param`: eagerly that all-gathers
-the full weight (and its backward reduce-scatters the gradient); under torch.compile it is the
-marker the backend's passes rewrite.
+After `shard(model)`, each module keeps its parameters in `_parameters` under the original names,
+now DTensors of the original shape: `model.parameters()` yields them, any optimizer steps on their
+local chunks, and torch's own utilities (clip_grad_norm_, state dicts, DCP, nn.init, shape-based
+parameter groups) read them as the full parameters they stand for.
+
+Reading `module.weight` goes through a property on a per-class subclass of the module:
+  * inside a forward of the model it calls `zpp::gather_param` on the local chunk: eagerly an
+    all-gather (and a reduce-scatter of the gradient in backward); under torch.compile the
+    marker the backend's passes rewrite;
+  * outside any forward it returns the sharded parameter itself, so reads are local and
+    collective-free and writes (`nn.init.zeros_(m.fc.weight)`, `m.fc.weight.data.fill_(7)`) land
+    in the shard, as with FSDP2.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_map
 
+from . import dtensor_ops
+from .agreement import agree_on_model
 from .codegen.quantize import quantize_packed
 from .config import Config
-from .cost_model import CostModel, build_cost_model
-from .ops import pad_flat, padded_numel
+from .cost_model import build_cost_model
+from .faults import explained_collective_failures
+from .layout import (
+    PAYLOAD_SUFFIX,
+    ShardedState,
+    ShardingError,
+    ShardSpec,
+    int8_payload,
+    is_sharded,
+    join_fqn,
+    shard_spec,
+    sharded_state,
+    unwrap_compiled,
+)
 from .topology import Topology, build_topology, require_initialized, set_current_topology
 
+__all__ = ["ShardingError", "full_state_dict", "gather_full", "is_sharded", "shard", "sharded_state"]
 
 _PLAN_IDS = itertools.count()
-
-
-class ShardingError(RuntimeError):
-    """A sharded model was changed in a way its shards cannot follow (replaced, added, moved)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardSpec:
-    """What a shard is a piece of: the full parameter's name, shape and the group it is split over.
-
-    quantized_block is set when the shard is stored as its packed int8 payload
-    (Config.quantize_frozen_weights); dtype is then the dtype it dequantizes to.
-    compute_dtype / reduce_dtype (mixed precision) are None where they equal the shard's dtype,
-    so a model without mixed precision traces exactly the graphs it did before.
-    """
-
-    fqn: str
-    shape: tuple[int, ...]
-    numel: int
-    group_size: int
-    group_name: str
-    dtype: torch.dtype = torch.float32
-    quantized_block: Optional[int] = None
-    compute_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-    device: torch.device = torch.device("cpu")  # where the shard lives; moving it later is refused
-    plan_id: int = 0  # which shard() call made it: compiled graphs are specialised on it (see gather_full)
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements of the full parameter each rank owns (padding included)."""
-        return padded_numel(self.numel, self.group_size) // self.group_size
-
-
-@dataclasses.dataclass
-class ShardedState:
-    """Attached to the root module by shard(): the config and layout every compiled graph reads."""
-
-    config: Config
-    topology: Topology
-    specs: dict[str, ShardSpec]
-    cost_model: Optional[CostModel] = None
-    recompile_storm_reported: bool = False
 
 
 def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_states: bool = True) -> nn.Module:
     """Partition every parameter of `model` across the world (ZeRO-3), in place; returns `model`.
 
-    With `sync_module_states` (default) rank 0's parameters and buffers are broadcast first, so
-    ranks that initialised differently still train one model.
+    Collective: every rank calls it, with the same Config and the same model. With
+    `sync_module_states` (default) rank 0's parameters and buffers are broadcast first, so ranks
+    that initialised differently still train one model.
     """
     require_initialized("zpp_compile.shard")
     config = Config() if config is None else config
@@ -83,34 +63,54 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
         raise TypeError(f"shard() takes a zpp_compile.Config, got {type(config).__name__}.")
     _refuse_resharding(model)
     topology = build_topology(config)
+    agree_on_model(model, config)
     set_current_topology(topology)
+    device = _training_device(_single_device(model))
     if sync_module_states:
         _broadcast_from_rank0(model)
 
-    cost_model = build_cost_model(config) if config.prefetch_limit else None
+    state = ShardedState(
+        config=config,
+        topology=topology,
+        specs={},
+        mesh=dtensor_ops.world_mesh(topology.world_group_name, device.type),
+        cost_model=build_cost_model(config, device=device) if config.prefetch_limit else None,
+    )
     plan_id = next(_PLAN_IDS)
-    state = ShardedState(config=config, topology=topology, specs={}, cost_model=cost_model)
-    shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its shard, so tied weights stay tied
+    shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its DTensor, so tied weights stay tied
     for module_name, module in model.named_modules():  # a module reused twice is sharded once
         names = [n for n, p in module._parameters.items() if p is not None]
         for name in names:
             full = module._parameters[name]
             if id(full) not in shards:
-                spec = _spec_for(_join(module_name, name), full, topology, config, plan_id)
+                spec = _spec_for(join_fqn(module_name, name), full, topology, config, plan_id)
                 state.specs[spec.fqn] = spec
-                shards[id(full)] = _make_shard(full, spec, state)
-            module._parameters[name] = shards[id(full)]
-            module.__dict__.setdefault("_zpp_specs", {})[name] = shard_spec(shards[id(full)])
+                shards[id(full)] = _make_sharded_parameter(full, spec, state)
+            _place(module, name, shards[id(full)])
         if names:
             _route_reads_through_gather(module, names)
+            _track_forward(module)
+    _track_forward(model)
     model.register_forward_pre_hook(_refuse_unsharded_parameters)
     if config.param_dtype is not None:
         model.register_forward_pre_hook(_inputs_caster(config.param_dtype), with_kwargs=True)
     model._zpp_state = state
-    from .checkpoint import install_state_dict_hooks  # state_dict()/load_state_dict() speak shards
+    _refuse_data_parallel_wrapping(model)
+    _gather_on_save_pretrained(model)
+    dtensor_ops.install()
+    from .checkpoint.state_dict import install_state_dict_hooks  # noqa: PLC0415  (checkpoint imports layout)
 
     install_state_dict_hooks(model)
     return model
+
+
+def _place(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Put the sharded parameter (and a frozen weight's int8 payload) into `module`."""
+    module._parameters[name] = param
+    module.__dict__.setdefault("_zpp_specs", {})[name] = shard_spec(param)
+    payload = getattr(param, "_zpp_payload", None)
+    if payload is not None:
+        module.register_buffer(name + PAYLOAD_SUFFIX, payload, persistent=False)
 
 
 def _inputs_caster(dtype: torch.dtype):
@@ -125,80 +125,105 @@ def _inputs_caster(dtype: torch.dtype):
     return cast_inputs
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "_zpp_state", None), ShardedState)
-
-
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The module torch.compile(model) wraps (its _orig_mod), or `model` itself."""
-    return getattr(model, "_orig_mod", model)
-
-
-def sharded_state(model: nn.Module) -> ShardedState:
-    if not is_sharded(model):
-        raise ValueError("this model is not sharded: call zpp_compile.shard(model, zpp_compile.Config()) first.")
-    return model._zpp_state
-
-
-def shard_spec(param: Tensor) -> Optional[ShardSpec]:
-    """The ShardSpec of a shard created by shard(), or None for any other tensor."""
-    return getattr(param, "_zpp_spec", None)
-
-
-def state_of_shard(param: Tensor) -> Optional[ShardedState]:
-    """The ShardedState of the model a shard belongs to, or None for any other tensor."""
-    return getattr(param, "_zpp_state", None)
-
-
 @torch.no_grad()
-def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The unsharded state dict (every name, tied ones too), gathered on every rank; for export.
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, Tensor]:
+    """The unsharded state dict (every name, tied ones too), gathered; for export.
 
-    Collective: every rank must call it.
+    Collective: every rank must call it. Each rank holds one unsharded parameter at a time besides
+    the result; with `rank0_only` the other ranks return {} (what a single writer needs). Frozen
+    weights stored int8 come back dequantized; under mixed precision, the fp32 masters.
     """
-    sharded_state(model)
+    model = unwrap_compiled(model)
+    state = sharded_state(model)
+    from .checkpoint.state_dict import full_value  # noqa: PLC0415
+
+    keep = not rank0_only or state.topology.rank == 0
     out: dict[str, Tensor] = {}
     gathered: dict[int, Tensor] = {}  # tied names share one gather (and one tensor, as unsharded)
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for name, p in module._parameters.items():
-            if p is not None:
-                if id(p) not in gathered:
-                    gathered[id(p)] = gather_full(p, in_compute_dtype=False).clone()
-                out[_join(module_name, name)] = gathered[id(p)]
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                out[_join(module_name, name)] = b.detach().clone()
+    with explained_collective_failures(
+        "full_state_dict (collective: call it, and save_pretrained, on every rank)",
+        state.topology.collective_timeout_s,
+    ):
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for name, p in module._parameters.items():
+                if p is not None and id(p) not in gathered:
+                    gathered[id(p)] = full_value(module, name, p)
+                if p is not None and keep:
+                    out[join_fqn(module_name, name)] = gathered[id(p)]
+                elif p is not None:
+                    gathered[id(p)] = None  # gathered for the others; nothing to keep here
+            for name, b in module._buffers.items():
+                if b is not None and name not in module._non_persistent_buffers_set and keep:
+                    out[join_fqn(module_name, name)] = b.detach().clone()
     return out
 
 
-def gather_full(shard_param: Tensor, *, in_compute_dtype: bool = True) -> Tensor:
-    """The full parameter for a shard: the `zpp::gather_param` call every module read makes.
+class _RefusedByZeroSharding:
+    """Stands in for the list of parameters DistributedDataParallel should leave alone: DDP reads it
+    first when it wraps a module, so reading it is where the wrapping is refused."""
 
-    in_compute_dtype=False gathers the master values (the shard's dtype) even under mixed
-    precision: what export and checkpoints want.
+    def __iter__(self):
+        raise ShardingError(
+            "DistributedDataParallel(model) around a zpp_compile-sharded model: DDP would broadcast rank "
+            "0's shards over every other rank's and average gradients a second time. zpp_compile "
+            "already trains data-parallel: use the sharded model as it is. With HF Trainer / Accelerate, "
+            "see README 'Launchers that wrap the model in DDP' (Accelerator(distributed_type='NO') or "
+            "skip the DDP wrap; the model must not be wrapped)."
+        )
+
+
+def _refuse_data_parallel_wrapping(model: nn.Module) -> None:
+    model._ddp_params_and_buffers_to_ignore = _RefusedByZeroSharding()
+
+
+def _gather_on_save_pretrained(model: nn.Module) -> None:
+    """A Hugging Face model's save_pretrained(dir) writes the full model: the state dict it writes
+    is gathered first (collective: call it on every rank, as with FSDP; rank 0 writes)."""
+    original = getattr(model, "save_pretrained", None)
+    if not callable(original) or not hasattr(model, "config"):
+        return
+
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            state_dict = full_state_dict(model, rank0_only=True)
+        return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    save_pretrained.__doc__ = original.__doc__
+    model.save_pretrained = save_pretrained
+
+
+def gather_full(param: Tensor, *, payload: Optional[Tensor] = None, in_compute_dtype: bool = True) -> Tensor:
+    """The full parameter for a sharded one: the marker call every module read in forward makes.
+
+    `payload`: the int8 payload of a frozen weight stored quantized (the parameter then holds no
+    values). in_compute_dtype=False gathers the master values (the shard's dtype) even under
+    mixed precision: what export wants.
     """
-    spec = shard_spec(shard_param)
-    if not in_compute_dtype:
-        spec = dataclasses.replace(spec, compute_dtype=None, reduce_dtype=None)
+    spec = shard_spec(param)
     # Branching on plan_id makes Dynamo guard on it: a graph compiled for one shard() call (its
     # Config, topology, cost model) is never reused for parameters of another, which would
     # otherwise match every tensor guard and silently run the first model's plan.
     if spec.plan_id < 0:
         raise AssertionError("unreachable: plan ids count from 0")
+    compute_dtype = spec.compute_dtype if in_compute_dtype else None
     if spec.quantized_block is not None:
         return torch.ops.zpp.gather_quantized_param(
-            shard_param,
+            payload,
             spec.numel,
             list(spec.shape),
             spec.shard_numel,
             spec.quantized_block,
-            spec.compute_dtype or spec.dtype,
+            compute_dtype or spec.dtype,
             spec.group_size,
             spec.group_name,
         )
-    dtypes = {k: v for k, v in (("dtype", spec.compute_dtype), ("reduce_dtype", spec.reduce_dtype)) if v is not None}
+    dtypes = {"dtype": compute_dtype, "reduce_dtype": spec.reduce_dtype if in_compute_dtype else None}
+    dtypes = {k: v for k, v in dtypes.items() if v is not None}
+    local = param.to_local()
+    if spec.replicated:
+        return torch.ops.zpp.replicated_param(local, spec.group_size, spec.group_name, **dtypes)
     return torch.ops.zpp.gather_param(
-        shard_param, spec.numel, list(spec.shape), spec.group_size, spec.group_name, **dtypes
+        local, spec.numel, list(spec.shape), spec.shard_numel, spec.group_size, spec.group_name, **dtypes
     )
 
 
@@ -217,7 +242,7 @@ def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config, plan_i
         group_size=topology.world_size,
         group_name=topology.world_group_name,
         dtype=full.dtype,
-        quantized_block=config.weight_block_size if stored_quantized else None,
+        quantized_block=config.weight_block_size if stored_quantized and full.dim() else None,
         compute_dtype=compute_dtype,
         reduce_dtype=reduce_dtype,
         device=full.device,
@@ -225,20 +250,61 @@ def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config, plan_i
     )
 
 
-def local_shard(full: Tensor, spec: ShardSpec, rank: int) -> Tensor:
-    """This rank's flat, padded piece of a full tensor (a parameter or its gradient)."""
-    flat = pad_flat(full.detach().reshape(-1), spec.shard_numel * spec.group_size)
-    return flat[rank * spec.shard_numel : (rank + 1) * spec.shard_numel].clone()
+def local_chunk(full: Tensor, spec: ShardSpec, rank: int) -> Tensor:
+    """`rank`'s part of a full tensor of spec's shape (a parameter or its gradient), as a copy."""
+    if spec.replicated:
+        return full.detach().clone()
+    rows = spec.rows_per_rank
+    return full.detach()[rank * rows : rank * rows + spec.local_rows(rank)].clone()
 
 
-def _make_shard(full: nn.Parameter, spec: ShardSpec, state: ShardedState) -> nn.Parameter:
-    local = local_shard(full, spec, state.topology.rank)
+def padded_flat_chunk(local: Tensor, spec: ShardSpec) -> Tensor:
+    """A local chunk as the collectives send it: flat, zero-padded to spec.shard_numel."""
+    flat = local.reshape(-1)
+    return torch.nn.functional.pad(flat, (0, spec.shard_numel - flat.numel()))
+
+
+def _make_sharded_parameter(full: nn.Parameter, spec: ShardSpec, state: ShardedState) -> nn.Parameter:
+    rank = state.topology.rank
+    local = local_chunk(full, spec, rank)
+    payload = None
     if spec.quantized_block is not None:
-        local = quantize_packed(local, spec.quantized_block)  # once, here: frozen weights never change
-    shard_param = nn.Parameter(local, requires_grad=full.requires_grad)
-    shard_param._zpp_spec = spec
-    shard_param._zpp_state = state
-    return shard_param
+        # Quantized once, here: frozen weights never change. The parameter keeps its shape and
+        # dtype but no values of its own (NaN reads, refused writes); the payload holds them.
+        payload = quantize_packed(padded_flat_chunk(local, spec), spec.quantized_block)
+        local = torch.full((1,), float("nan"), dtype=full.dtype, device=full.device).expand(local.shape)
+    placement = Replicate() if spec.replicated else Shard(0)
+    dtensor = DTensor.from_local(
+        local, state.mesh, [placement], shape=full.shape, stride=full.stride(), run_check=False
+    )
+    param = nn.Parameter(dtensor, requires_grad=full.requires_grad)
+    param._zpp_spec = spec
+    param._zpp_state = state
+    if payload is not None:
+        payload._zpp_spec = spec
+        payload._zpp_state = state
+        param._zpp_payload = payload
+    return param
+
+
+def _single_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ShardingError(
+            f"the model's parameters are on several devices ({sorted(map(str, devices))}); zpp_compile "
+            "shards a model that lives on one device per rank: move it first (model.to(device))."
+        )
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _training_device(device: torch.device) -> torch.device:
+    """Where the model trains: its parameters' device, or for a model on the meta device (built
+    before being materialized) the one its process group talks on (CUDA under NCCL)."""
+    if device.type != "meta":
+        return device
+    if "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _refuse_resharding(model: nn.Module) -> None:
@@ -255,7 +321,8 @@ def _refuse_resharding(model: nn.Module) -> None:
 @torch.no_grad()
 def _broadcast_from_rank0(model: nn.Module) -> None:
     for tensor in _unique_tensors(model):
-        dist.broadcast(tensor.data, src=0)
+        if not tensor.is_meta:
+            dist.broadcast(tensor.data, src=0)
 
 
 def _unique_tensors(model: nn.Module) -> Iterator[Tensor]:
@@ -264,6 +331,41 @@ def _unique_tensors(model: nn.Module) -> Iterator[Tensor]:
         if id(t) not in seen:
             seen.add(id(t))
             yield t
+
+
+# --------------------------------------------------------------------------------------------
+# Inside or outside a forward: the property gathers in one, returns the sharded parameter else.
+
+
+class _ForwardDepth:
+    """How many forwards of sharded modules are running (nested calls count each)."""
+
+    depth = 0
+
+
+_FORWARD = _ForwardDepth()
+
+
+def _enter_forward(module: nn.Module, args: tuple) -> None:
+    _FORWARD.depth += 1
+
+
+def _exit_forward(module: nn.Module, args: tuple, output: object) -> None:
+    # Never below 0: a pre-hook registered before ours may raise before our enter ran, and the
+    # exit hook runs regardless (always_call).
+    _FORWARD.depth = max(0, _FORWARD.depth - 1)
+
+
+def _track_forward(module: nn.Module) -> None:
+    if not module.__dict__.get("_zpp_tracks_forward"):
+        module.register_forward_pre_hook(_enter_forward)
+        module.register_forward_hook(_exit_forward, always_call=True)  # also when forward raises
+        module._zpp_tracks_forward = True
+
+
+def in_forward() -> bool:
+    """True while a forward of a sharded model (or of one of its modules) runs."""
+    return _FORWARD.depth > 0
 
 
 # One subclass per (original class, sharded names): modules of one type share a class, which keeps
@@ -275,19 +377,42 @@ def _route_reads_through_gather(module: nn.Module, names: list[str]) -> None:
     base = getattr(module.__class__, "_zpp_original_class", module.__class__)
     key = (base, tuple(sorted(names)))
     if key not in _SHARDED_CLASSES:
-        attrs = {name: _gathering_property(name) for name in key[1]}
+        attrs = {name: _sharded_attribute(name) for name in key[1]}
         attrs["_zpp_original_class"] = base
+        attrs["_apply"] = _apply_keeping_shard_attributes
         _SHARDED_CLASSES[key] = type(f"ZeroSharded{base.__name__}", (base,), attrs)
     module.__class__ = _SHARDED_CLASSES[key]
 
 
-def _gathering_property(name: str) -> property:
-    def read_full_parameter(self: nn.Module) -> Tensor:
-        param = self._parameters[name]
-        _check_still_sharded(self, name, param)
-        return gather_full(param)
+_SHARD_ATTRIBUTES = ("_zpp_spec", "_zpp_state", "_zpp_payload")
 
-    return property(read_full_parameter, doc=f"The full `{name}`, all-gathered from its shards.")
+
+def _apply_keeping_shard_attributes(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    """nn.Module._apply (to(), to_empty(), half(), ...) swaps a DTensor parameter's contents with
+    the converted tensor's (torch.utils.swap_tensors), Python attributes included: put ours back
+    on the (same) parameter object afterwards."""
+    saved = {
+        name: {a: p.__dict__[a] for a in _SHARD_ATTRIBUTES if a in p.__dict__}
+        for name, p in self._parameters.items()
+        if p is not None
+    }
+    super(type(self), self)._apply(fn, recurse)
+    for name, attributes in saved.items():
+        param = self._parameters[name]
+        if param is not None:
+            param.__dict__.update(attributes)
+    return self
+
+
+def _sharded_attribute(name: str) -> property:
+    def read(self: nn.Module) -> Tensor:
+        param = self._parameters[name]
+        if not in_forward():
+            return param  # the sharded parameter itself: local reads, writes land in the shard
+        _check_still_sharded(self, name, param)
+        return gather_full(param, payload=int8_payload(self, name))
+
+    return property(read, doc=f"`{name}`: all-gathered inside forward, the sharded DTensor outside it.")
 
 
 def _check_still_sharded(module: nn.Module, name: str, param: Optional[Tensor]) -> None:
@@ -296,20 +421,20 @@ def _check_still_sharded(module: nn.Module, name: str, param: Optional[Tensor]) 
     if spec is expected and param.device == expected.device:
         return
     where = f"parameter {expected.fqn!r} ({getattr(module, '_zpp_original_class', type(module)).__name__}.{name})"
-    if param is not None and param.device != expected.device:
+    if spec is expected:
         raise ShardingError(
             f"{where} was moved to {param.device} after zpp_compile.shard() placed it on {expected.device}. "
             "Move the model first (model.to(device)), then call shard(); process groups and compiled "
             "graphs are set up for the device the shards had."
         )
-    if spec is None:
-        now = "set to None" if param is None else "replaced by a tensor that is not a shard"
-        raise ShardingError(
-            f"{where} was {now} after zpp_compile.shard(). To give it new values, load them "
-            "(model.load_state_dict(...) takes full tensors) or copy into the shard under "
-            "torch.no_grad(); to change the model's structure, do it before shard(). (A copy of the "
-            "model made by copy.deepcopy or torch.func.functional_call holds no shards either.)"
-        )
+    now = "set to None" if param is None else "replaced by a tensor that is not a shard"
+    raise ShardingError(
+        f"{where} was {now} after zpp_compile.shard(). To give it new values, write into it "
+        "(module.weight.copy_(full_tensor) or nn.init functions, under torch.no_grad()) or load them "
+        "(model.load_state_dict(...) takes full tensors); to change the model's structure, do it "
+        "before shard(). (A copy of the model made by copy.deepcopy or torch.func.functional_call "
+        "holds no shards either.)"
+    )
 
 
 def _refuse_unsharded_parameters(model: nn.Module, args: tuple) -> None:
@@ -323,7 +448,7 @@ def _refuse_unsharded_parameters(model: nn.Module, args: tuple) -> None:
             if name in module.__dict__.get("_zpp_specs", {}):
                 _check_still_sharded(module, name, param)  # replaced or moved: says which
             elif param is not None:
-                _refuse_added(_join(module_name, name), param)
+                _refuse_added(join_fqn(module_name, name), param)
 
 
 def _refuse_added(fqn: str, param: Tensor) -> None:
@@ -333,7 +458,3 @@ def _refuse_added(fqn: str, param: Tensor) -> None:
             "sharded: its gradient would never be averaged across ranks. Add every parameter "
             "before shard(), or shard a new model."
         )
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name

@@ -194,6 +194,7 @@ def _node_group_names(
 
 
 _GROUPS: dict[tuple[tuple[int, ...], Optional[float]], Optional[str]] = {}
+_GROUP_TIMEOUTS: dict[str, float] = {}  # group name -> Config.collective_timeout_s it was made with
 
 
 def shared_group(ranks: tuple[int, ...], timeout_s: Optional[float] = None) -> Optional[str]:
@@ -208,7 +209,15 @@ def shared_group(ranks: tuple[int, ...], timeout_s: Optional[float] = None) -> O
     if key not in _GROUPS:
         group = dist.new_group(list(ranks), timeout=as_timedelta(timeout_s) or group_timeout(dist.group.WORLD))
         _GROUPS[key] = group.group_name if isinstance(group, dist.ProcessGroup) else None
+        if _GROUPS[key] is not None and timeout_s is not None:
+            _GROUP_TIMEOUTS[_GROUPS[key]] = timeout_s
     return _GROUPS[key]
+
+
+def group_timeout_s(group_name: str) -> Optional[float]:
+    """The Config.collective_timeout_s the group `group_name` was created with; None for groups
+    that keep the default process group's timeout. Errors quote it for the group that failed."""
+    return _GROUP_TIMEOUTS.get(group_name)
 
 
 def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:

@@ -10,8 +10,8 @@ gather = torch.ops.zpp.gather_param.default
 
 def test_tied_weight_read_twice_is_gathered_once(group_of_one):
     def f(shard, x):
-        a = torch.ops.zpp.gather_param(shard, 12, [4, 3], 1, group_of_one)
-        b = torch.ops.zpp.gather_param(shard, 12, [4, 3], 1, group_of_one)
+        a = torch.ops.zpp.gather_param(shard, 12, [4, 3], 12, 1, group_of_one)
+        b = torch.ops.zpp.gather_param(shard, 12, [4, 3], 12, 1, group_of_one)
         return (x @ a.t()) @ b
 
     shard, x = torch.randn(12), torch.randn(2, 3)
@@ -25,8 +25,8 @@ def test_tied_weight_read_twice_is_gathered_once(group_of_one):
 
 def test_gathers_of_different_parameters_are_kept(group_of_one):
     def f(s1, s2):
-        return torch.ops.zpp.gather_param(s1, 4, [4], 1, group_of_one) + torch.ops.zpp.gather_param(
-            s2, 4, [4], 1, group_of_one
+        return torch.ops.zpp.gather_param(s1, 4, [4], 4, 1, group_of_one) + torch.ops.zpp.gather_param(
+            s2, 4, [4], 4, 1, group_of_one
         )
 
     gm = trace(f, torch.randn(4), torch.randn(4))

@@ -19,13 +19,13 @@ def _partitioned_pair():
     """A forward that saves the primary shard and a backward that re-gathers it (as min-cut does)."""
 
     def forward(shard, x):
-        w = torch.ops.zpp.gather_param(shard, 198, [9, 22], 4, "world")  # 198 -> 4 shards of 50
+        w = torch.ops.zpp.gather_param(shard, 198, [9, 22], 66, 4, "world")  # 9 rows -> 4 chunks of 3 (66)
         return x @ w.t(), shard, x
 
     def backward(shard, x, tangent):
-        return tangent @ torch.ops.zpp.gather_param(shard, 198, [9, 22], 4, "world")
+        return tangent @ torch.ops.zpp.gather_param(shard, 198, [9, 22], 66, 4, "world")
 
-    shard, x = torch.randn(50), torch.randn(3, 22)
+    shard, x = torch.randn(3, 22), torch.randn(3, 22)
     return trace(forward, shard, x), trace(backward, shard, x, torch.randn(3, 9))
 
 
@@ -37,12 +37,12 @@ def _run_hpz(**config):
 def test_forward_saves_its_half_of_the_weight_and_backward_gathers_in_node():
     fw, bw = _run_hpz()
     saved = fw.graph.output_node().args[0][1]
-    assert saved.target == torch.ops.zpp.owned_copy.default and saved.meta["val"].shape == (100,)
+    assert saved.target == torch.ops.zpp.owned_copy.default and saved.meta["val"].shape == (132,)
     piece = saved.args[0]
-    assert piece.target == torch.ops.aten.slice.Tensor and piece.args[2:] == (100, 200)  # rank 1 keeps [100, 200)
+    assert piece.target == torch.ops.aten.slice.Tensor and piece.args[2:] == (132, 264)  # rank 1 keeps [132, 264)
     (gather,) = [n for n in bw.graph.nodes if n.target == torch.ops.zpp.gather_param.default]
-    assert gather.args[3:] == (2, "hpz_01")
-    assert gather.args[0].op == "placeholder" and gather.args[0].meta["val"].shape == (100,)
+    assert gather.args[3:] == (132, 2, "hpz_01")
+    assert gather.args[0].op == "placeholder" and gather.args[0].meta["val"].shape == (132,)
 
 
 def test_with_qwz_the_secondary_is_this_ranks_slice_of_the_gathered_int8_payloads():
@@ -52,9 +52,9 @@ def test_with_qwz_the_secondary_is_this_ranks_slice_of_the_gathered_int8_payload
     assert gather.args[0].meta["val"].dtype == torch.int8
     saved = fw.graph.output_node().args[0][1]
     assert saved.meta["val"].dtype == torch.int8
-    assert saved.meta["val"].numel() == 2 * payload_numel(50, 64)  # 2 of the 4 ranks' payloads
+    assert saved.meta["val"].numel() == 2 * payload_numel(66, 64)  # 2 of the 4 ranks' payloads
     (regather,) = [n for n in bw.graph.nodes if n.target == torch.ops.zpp.gather_quantized_param.default]
-    assert regather.args[1:] == (198, [9, 22], 50, 64, torch.float32, 2, "hpz_01")
+    assert regather.args[1:] == (198, [9, 22], 66, 64, torch.float32, 2, "hpz_01")
 
 
 def test_graphs_are_unchanged_without_hpz():

@@ -8,33 +8,33 @@ from .helpers import context, targets, trace
 c10d = torch.ops._c10d_functional
 
 
-def test_gather_marker_becomes_all_gather_wait_slice_view(group_of_one):
-    shard, x = torch.randn(6), torch.randn(4, 3)
-    padded = torch.cat([shard, torch.zeros(2)])  # a shard carrying padding: 8 elements for 6
+def test_gather_marker_becomes_pad_all_gather_wait_slice_view(group_of_one):
+    local, x = torch.randn(2, 3), torch.randn(4, 3)  # a rank's chunk sent padded: 8 elements for 6
 
-    def f_padded(shard, x):
-        w = torch.ops.zpp.gather_param(shard, 6, [2, 3], 1, group_of_one)
+    def f_padded(local, x):
+        w = torch.ops.zpp.gather_param(local, 6, [2, 3], 8, 1, group_of_one)
         return x @ w.t()
 
-    gm = trace(f_padded, padded, x)
+    gm = trace(f_padded, local, x)
     assert torch.ops.zpp.gather_param.default in targets(gm)
-    expected = gm(padded, x)
+    expected = gm(local, x)
 
     gm = lower_gather(gm, context(group_of_one))
     after = targets(gm)
     assert torch.ops.zpp.gather_param.default not in after
     assert after.count(c10d.all_gather_into_tensor.default) == 1
     assert after.count(c10d.wait_tensor.default) == 1
+    assert torch.ops.aten.constant_pad_nd.default in after  # 6 -> 8 elements on the wire
     assert torch.ops.aten.slice.Tensor in after  # padding (8 -> 6 elements) is cut off
-    torch.testing.assert_close(gm(padded, x), expected)
-    torch.testing.assert_close(expected, x @ shard.view(2, 3).t())
+    torch.testing.assert_close(gm(local, x), expected)
+    torch.testing.assert_close(expected, x @ local.t())
     for node in gm.graph.nodes:
         if node.op == "call_function":
             assert "val" in node.meta, f"{node.name} lost its fake value"
 
 
 def test_unpadded_gather_needs_no_slice(group_of_one):
-    gm = trace(lambda s: torch.ops.zpp.gather_param(s, 6, [3, 2], 1, group_of_one) * 2, torch.randn(6))
+    gm = trace(lambda s: torch.ops.zpp.gather_param(s, 6, [3, 2], 6, 1, group_of_one) * 2, torch.randn(6))
     gm = lower_gather(gm, context(group_of_one))
     assert torch.ops.aten.slice.Tensor not in targets(gm)
 
@@ -47,7 +47,7 @@ def test_graph_without_markers_is_returned_unchanged(group_of_one):
 
 def test_mixed_precision_casts_the_shard_before_the_wire(group_of_one):
     def f(s):
-        return torch.ops.zpp.gather_param(s, 6, [3, 2], 1, group_of_one, dtype=torch.bfloat16)
+        return torch.ops.zpp.gather_param(s, 6, [3, 2], 6, 1, group_of_one, dtype=torch.bfloat16)
 
     shard = torch.randn(6)
     gm = lower_gather(trace(f, shard), context(group_of_one))

@@ -10,7 +10,7 @@ c10d = torch.ops._c10d_functional
 
 def test_reduce_marker_becomes_padded_reduce_scatter_and_one_average(group_of_one):
     grad = torch.randn(3, 5).t()  # strided: the pass must make it contiguous first
-    gm = trace(lambda g: torch.ops.zpp.reduce_grad(g, 15, 1, group_of_one), grad)
+    gm = trace(lambda g: torch.ops.zpp.reduce_grad(g, 15, 15, 1, group_of_one), grad)
     expected = gm(grad)
 
     gm = lower_reduce(gm, context(group_of_one))

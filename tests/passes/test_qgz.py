@@ -14,7 +14,7 @@ c10d = torch.ops._c10d_functional
 
 def _reduce_graph(group_name: str, world: int):
     def backward(grad):
-        return torch.ops.zpp.reduce_grad(grad, 1000, world, group_name)
+        return torch.ops.zpp.reduce_grad(grad, 1000, 1000 // world, world, group_name)
 
     return trace(backward, torch.randn(40, 25))
 
@@ -70,7 +70,7 @@ def _three_reductions_graph(world: int):
     """Gradients of 4000, 1000 and 2000 fp32 values (16000, 4000, 8000 bytes), reduced in this order."""
 
     def backward(a, b, c):
-        return [torch.ops.zpp.reduce_grad(g, g.numel(), world, "world") for g in (a * 2, b * 2, c * 2)]
+        return [torch.ops.zpp.reduce_grad(g, g.numel(), g.numel() // world, world, "world") for g in (a * 2, b * 2, c * 2)]
 
     return trace(backward, torch.randn(4000), torch.randn(1000), torch.randn(2000))
 
@@ -94,7 +94,7 @@ def test_bucketed_plan_keeps_every_gradient_in_a_world_of_one(group_of_one):
     topology = Topology(1, 0, 1, group_of_one, node_group_name=group_of_one)
 
     def backward(a, b):
-        return [torch.ops.zpp.reduce_grad(g, g.numel(), 1, group_of_one) for g in (a, b)]
+        return [torch.ops.zpp.reduce_grad(g, g.numel(), g.numel(), 1, group_of_one) for g in (a, b)]
 
     gm = qgz(trace(backward, torch.randn(33), torch.randn(5, 7)), _context(topology))
     a, b = torch.randn(33), torch.randn(5, 7)
@@ -127,7 +127,7 @@ def test_a_16_bit_gradient_crosses_nodes_as_a_quarter_of_its_bytes_plus_scales()
     topology = Topology(4, 1, 2, "world", node_group_name="node_0", cross_node_group_name="local_1")
 
     def backward(grad):
-        return torch.ops.zpp.reduce_grad(grad, 1024, 4, "world")
+        return torch.ops.zpp.reduce_grad(grad, 1024, 256, 4, "world")
 
     gm = qgz(trace(backward, torch.randn(1024, dtype=torch.bfloat16)), _context(topology))
     cross = [n for n in gm.graph.nodes if n.target == c10d.all_to_all_single.default and n.args[-1] == "local_1"]

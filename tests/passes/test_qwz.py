@@ -13,7 +13,7 @@ def _gather_graph(group_name):
     shard, x = torch.randn(200), torch.randn(3, 20)  # 200 = 4 blocks of 64 minus padding
 
     def f(shard, x):
-        return x @ torch.ops.zpp.gather_param(shard, 200, [10, 20], 1, group_name).t()
+        return x @ torch.ops.zpp.gather_param(shard, 200, [10, 20], 200, 1, group_name).t()
 
     return trace(f, shard, x), shard, x
 
@@ -40,9 +40,9 @@ from tests.passes.helpers import context, trace
 from zpp_compile.passes import qwz
 
 def f(shard, x):
-    return x @ torch.ops.zpp.gather_param(shard, 200, [10, 20], 4, "some_group").t()
+    return x @ torch.ops.zpp.gather_param(shard, 200, [10, 20], 60, 4, "some_group").t()
 
-gm = qwz(trace(f, torch.randn(200), torch.randn(3, 20)), context("some_group", quantize_weights=True))
+gm = qwz(trace(f, torch.randn(3, 20), torch.randn(3, 20)), context("some_group", quantize_weights=True))
 print([n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"])
 """
 
@@ -65,7 +65,7 @@ def test_mixed_precision_quantizes_the_master_shard_and_dequantizes_to_param_dty
     shard, x = torch.randn(200), torch.randn(3, 20, dtype=torch.bfloat16)
 
     def f(shard, x):
-        return x @ torch.ops.zpp.gather_param(shard, 200, [10, 20], 1, group_of_one, dtype=torch.bfloat16).t()
+        return x @ torch.ops.zpp.gather_param(shard, 200, [10, 20], 200, 1, group_of_one, dtype=torch.bfloat16).t()
 
     gm = qwz(trace(f, shard, x), context(group_of_one, quantize_weights=True, weight_block_size=64))
     (gather,) = [n for n in gm.graph.nodes if n.target == c10d.all_gather_into_tensor.default]

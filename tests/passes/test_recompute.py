@@ -11,7 +11,7 @@ from .helpers import context, trace
 
 def _linear_graph(group_name):
     def f(shard, x):
-        w = torch.ops.zpp.gather_param(shard, 12, [4, 3], 1, group_name)
+        w = torch.ops.zpp.gather_param(shard, 12, [4, 3], 12, 1, group_name)
         return torch.relu(x @ w.t())
 
     return trace(f, torch.randn(12), torch.randn(2, 3))
@@ -28,7 +28,7 @@ def test_gather_and_its_views_are_tagged_must_recompute(group_of_one):
 
 def test_check_rejects_a_forward_that_saves_a_gathered_weight(group_of_one):
     def saves_weight(shard, x):
-        w = torch.ops.zpp.gather_param(shard, 12, [4, 3], 1, group_of_one)
+        w = torch.ops.zpp.gather_param(shard, 12, [4, 3], 12, 1, group_of_one)
         return x @ w.t(), w.t()  # second output = "saved for backward"
 
     fw = trace(saves_weight, torch.randn(12), torch.randn(2, 3))
@@ -39,7 +39,7 @@ def test_check_rejects_a_forward_that_saves_a_gathered_weight(group_of_one):
 
 def test_check_accepts_a_forward_that_saves_only_activations_and_shards(group_of_one):
     def saves_shard(shard, x):
-        w = torch.ops.zpp.gather_param(shard, 12, [4, 3], 1, group_of_one)
+        w = torch.ops.zpp.gather_param(shard, 12, [4, 3], 12, 1, group_of_one)
         return x @ w.t(), shard, x
 
     fw = trace(saves_shard, torch.randn(12), torch.randn(2, 3))

@@ -27,7 +27,7 @@ def _three_layers(group: str):
 
     def forward(x, a, b, c):
         for shard in (a, b, c):
-            x = torch.tanh(x @ torch.ops.zpp.gather_param(shard, 64 * 64, [64, 64], 1, group).t())
+            x = torch.tanh(x @ torch.ops.zpp.gather_param(shard, 64 * 64, [64, 64], 64 * 64, 1, group).t())
         return x
 
     args = (torch.randn(8, 64), torch.randn(4096), torch.randn(4096), torch.randn(4096))
@@ -63,7 +63,7 @@ def test_gather_bucket_cap_splits_buckets_and_zero_turns_bucketing_off(group_of_
 
 def test_reduce_scatters_are_bucketed_too(group_of_one):
     def backward(a, b):
-        return [torch.ops.zpp.reduce_grad(g * 2, g.numel(), 1, group_of_one) for g in (a, b)]
+        return [torch.ops.zpp.reduce_grad(g * 2, g.numel(), g.numel(), 1, group_of_one) for g in (a, b)]
 
     args = (torch.randn(100), torch.randn(30))
     gm = lower_reduce(trace(backward, *args), _context(group_of_one, phase="backward"))

@@ -1,40 +1,32 @@
 """Sharded checkpoints: state dicts and torch.distributed.checkpoint (DCP) without gathering.
 
-A sharded parameter appears in a state dict under its original name and original shape, as a
-FlatShardedTensor: a tensor-like object that holds only this rank's flat slice [start, stop) of
-the row-major flattened parameter (the shard without its padding). DCP sees it as a tensor of the
-original shape made of a few rectangular chunks, each a view of the shard, so every rank writes
-and reads only its own elements, and a checkpoint saved at one world size loads at another: DCP
-works out which saved chunks overlap which wanted ones. A DCP checkpoint of a sharded model is
-therefore an ordinary one: every consumer (`dcp_to_torch_save`, a plain unsharded model with DCP)
-sees normal, unpadded tensors. The format is documented in docs/checkpoints.md.
+Sharded parameters are DTensors (Shard(0) over the world), so a model's state_dict() holds them
+under their original names and shapes, and DCP saves each rank's chunk and reshards on load: a
+checkpoint saved at one world size loads at another, and every consumer of DCP checkpoints
+(`dcp_to_torch_save`, an unsharded model, FSDP2) sees ordinary tensors. The format is documented
+in docs/checkpoints.md.
 
-  flat_sharded_tensor.py  FlatShardedTensor and its geometry (DCP's chunk protocol)
-  state_dict.py           the state-dict hooks shard() installs; loading a value into a shard
-  optimizer.py            optimizer state dicts keyed by parameter name, sharded like the model
-  dcp_io.py               save_checkpoint / load_checkpoint through DCP
+  state_dict.py  the state-dict hooks shard() installs (full tensors in, int8-stored frozen weights)
+  optimizer.py   optimizer state dicts keyed by parameter name, sharded like the model
+  dcp_io.py      save_checkpoint / load_checkpoint through DCP
 """
 
 from .dcp_io import EXTRA_KEY, MODEL_KEY, OPTIM_KEY, PathLike, load_checkpoint, save_checkpoint
-from .flat_sharded_tensor import FlatShardedTensor, flat_boxes, local_range
-from .optimizer import SHARDED_STATE_KEY, load_optimizer_state_dict, optimizer_state_dict
-from .state_dict import CheckpointMismatchError, install_state_dict_hooks, load_into_shard, sharded_entry
+from .optimizer import load_optimizer_state_dict, optimizer_state_dict
+from .state_dict import CheckpointMismatchError, as_sharded_like, full_value, install_state_dict_hooks, stored_values
 
 __all__ = [
     "EXTRA_KEY",
     "MODEL_KEY",
     "OPTIM_KEY",
-    "SHARDED_STATE_KEY",
     "CheckpointMismatchError",
-    "FlatShardedTensor",
     "PathLike",
-    "flat_boxes",
+    "as_sharded_like",
+    "full_value",
     "install_state_dict_hooks",
     "load_checkpoint",
-    "load_into_shard",
     "load_optimizer_state_dict",
-    "local_range",
     "optimizer_state_dict",
     "save_checkpoint",
-    "sharded_entry",
+    "stored_values",
 ]

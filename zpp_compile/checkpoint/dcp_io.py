@@ -14,15 +14,11 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..sharding import shard_spec, sharded_state, unwrap_compiled
-from .flat_sharded_tensor import FlatShardedTensor, local_range
-from .optimizer import (
-    SHARDED_STATE_KEY,
-    _optimizer_params,
-    load_optimizer_state_dict,
-    optimizer_state_dict,
-)
-from .state_dict import CheckpointMismatchError, _rank_of
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+from ..layout import sharded_state, unwrap_compiled
+from .optimizer import load_optimizer_state_dict, optimizer_state_dict
+from .state_dict import CheckpointMismatchError
 
 PathLike = Union[str, os.PathLike]
 
@@ -82,7 +78,7 @@ def load_checkpoint(
         model_sd = {k: v for k, v in model_sd.items() if k in saved}
     state: dict[str, Any] = {MODEL_KEY: model_sd}
     if optim is not None:
-        state[OPTIM_KEY] = _optimizer_load_target(model, optim, metadata, paths, path)
+        state[OPTIM_KEY] = _optimizer_load_target(model, optim, paths, path)
     extra = _plain_load_target(metadata, paths, EXTRA_KEY)
     if extra:
         state[EXTRA_KEY] = extra[EXTRA_KEY]
@@ -152,48 +148,10 @@ def _fresh_value(md: Any) -> Any:
     return None  # a pickled object: DCP replaces the placeholder
 
 
-def _optimizer_load_target(
-    model: nn.Module, optim: torch.optim.Optimizer, metadata: Metadata, paths: dict, where: PathLike
-) -> dict:
-    """The optimizer entries DCP loads into: existing state tensors where they fit (loaded in
-    place), new ones (put into optim.state at once) for a fresh optimizer."""
+def _optimizer_load_target(model: nn.Module, optim: torch.optim.Optimizer, paths: dict, where: PathLike) -> dict:
+    """The optimizer's own state entries (made by a zero-lr step if it has none yet), for DCP to
+    load into in place: DTensor entries get this rank's chunks, resharded from any world size."""
     if not any(p[0] == OPTIM_KEY for p in paths.values()):
         raise CheckpointMismatchError(f"checkpoint {os.fspath(where)!r} holds no optimizer state")
-    # Which state tensors are sharded is itself in the checkpoint (a 0-d parameter's exp_avg and
-    # AdamW's step look alike in the metadata): read that list first.
-    listing = {OPTIM_KEY: {SHARDED_STATE_KEY: None}}
-    dcp.load(listing, checkpoint_id=where)
-    sharded = {tuple(k) for k in listing[OPTIM_KEY][SHARDED_STATE_KEY]}
-    params = {fqn: p for named in _optimizer_params(model, optim) for fqn, p in named}
-
-    target: dict = {}
-    for flat, path in paths.items():
-        if path[0] != OPTIM_KEY:
-            continue
-        md = metadata.state_dict_metadata[flat]
-        value = _fresh_value(md)
-        if path[1] == "state" and len(path) == 4 and isinstance(md, TensorStorageMetadata):
-            fqn, key = path[2], path[3]
-            if fqn not in params:
-                raise CheckpointMismatchError(
-                    f"checkpoint {os.fspath(where)!r} has optimizer state for {fqn!r}, "
-                    "which the optimizer does not hold"
-                )
-            p = params[fqn]
-            old = optim.state[p].get(key)
-            if (fqn, key) in sharded:
-                spec = shard_spec(p)
-                if tuple(md.size) != spec.shape:
-                    raise CheckpointMismatchError(
-                        f"size mismatch for optimizer state {fqn}.{key}: the checkpoint has shape "
-                        f"{tuple(md.size)}, the model {spec.shape}"
-                    )
-                if not (isinstance(old, Tensor) and old.shape == p.shape and old.dtype == md.properties.dtype):
-                    old = torch.zeros(p.shape, dtype=md.properties.dtype, device=p.device)
-                    optim.state[p][key] = old
-                start, stop = local_range(spec, _rank_of(p))
-                value = FlatShardedTensor(old[: stop - start], spec.shape, start)
-            elif isinstance(old, Tensor) and old.shape == md.size and old.dtype == md.properties.dtype:
-                value = old
-        _set_path(target, path, value)
-    return target[OPTIM_KEY]
+    _init_optim_state(optim)
+    return optimizer_state_dict(model, optim)

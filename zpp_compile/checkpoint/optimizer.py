@@ -1,4 +1,11 @@
-"""Optimizer state dicts keyed by parameter name, sharded like the model (no communication)."""
+"""Optimizer state dicts keyed by parameter name, sharded like the model (no communication).
+
+The layout is that of torch.distributed.checkpoint.state_dict.get_optimizer_state_dict:
+    {"state": {fqn: {key: value}}, "param_groups": [{hyper-parameters..., "params": [fqn, ...]}]}
+State tensors shaped like their parameter (AdamW's exp_avg, exp_avg_sq) are DTensors like the
+parameter, so DCP saves each rank's chunk and reshards on load; scalars (AdamW's step) are plain
+tensors, equal on every rank. Either torch's functions or these two read and write it.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +14,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.distributed.tensor import DTensor
 
-from ..sharding import shard_spec, sharded_state, state_of_shard, unwrap_compiled
-from .flat_sharded_tensor import FlatShardedTensor, local_range
-from .state_dict import CheckpointMismatchError, _local_values, _rank_of, _write_local
-
-SHARDED_STATE_KEY = "sharded_state"  # in an optimizer state dict: [[fqn, state key], ...] that are sharded
+from ..layout import shard_spec, sharded_state, state_of_shard, unwrap_compiled
+from .state_dict import CheckpointMismatchError, _local_values
 
 
 def _optimizer_params(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[tuple[str, Tensor]]]:
-    """(fqn, shard) per parameter of each param group; refuses parameters not sharded by `model`."""
+    """(fqn, parameter) per parameter of each param group; refuses parameters not sharded by `model`."""
     state = sharded_state(model)
     groups = []
     for i, group in enumerate(optim.param_groups):
@@ -26,7 +32,8 @@ def _optimizer_params(model: nn.Module, optim: torch.optim.Optimizer) -> list[li
             if spec is None or state_of_shard(p) is not state:
                 raise ValueError(
                     f"param group {i} of the optimizer holds a tensor of shape {tuple(p.shape)} that is not a "
-                    "shard of this model: build the optimizer on model.parameters() after zpp_compile.shard(model)"
+                    "parameter of this sharded model: build the optimizer on model.parameters() after "
+                    "zpp_compile.shard(model)"
                 )
             named.append((spec.fqn, p))
         groups.append(named)
@@ -36,53 +43,45 @@ def _optimizer_params(model: nn.Module, optim: torch.optim.Optimizer) -> list[li
 def optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name, sharded like the model (no communication).
 
-        {"state": {fqn: {key: value}}, "param_groups": [{hyper-parameters..., "params": [fqn, ...]}],
-         "sharded_state": [[fqn, key], ...]}
-
-    A state tensor with the shard's shape (AdamW's exp_avg, exp_avg_sq) becomes a
-    FlatShardedTensor of the parameter's full shape; a scalar tensor (AdamW's step) stays a plain
-    tensor, assumed equal on every rank; other values are kept as they are. Tied parameters
-    appear once, under the name shard() gave them (the first one).
+    Tied parameters appear once, under the name shard() gave them (the first one).
     """
     model = unwrap_compiled(model)
     state: dict[str, dict[str, Any]] = {}
-    sharded_keys: list[list[str]] = []
     groups = []
     for group, named in zip(optim.param_groups, _optimizer_params(model, optim)):
         for fqn, p in named:
             if optim.state.get(p):
-                state[fqn] = {}
-                for key, value in optim.state[p].items():
-                    state[fqn][key] = _optimizer_entry(p, fqn, key, value, sharded_keys)
+                state[fqn] = dict(optim.state[p])
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [fqn for fqn, _ in named]})
-    return {"state": state, "param_groups": groups, SHARDED_STATE_KEY: sharded_keys}
-
-
-def _optimizer_entry(p: Tensor, fqn: str, key: str, value: Any, sharded_keys: list) -> Any:
-    if not isinstance(value, Tensor):
-        return value
-    spec = shard_spec(p)
-    if value.shape == p.shape and spec.quantized_block is None:
-        start, stop = local_range(spec, _rank_of(p))
-        sharded_keys.append([fqn, key])
-        return FlatShardedTensor(value.detach()[: stop - start], spec.shape, start)
-    if value.numel() == 1:
-        return value
-    raise ValueError(
-        f"optimizer state {fqn!r}[{key!r}] has shape {tuple(value.shape)}, neither the shard's "
-        f"{tuple(p.shape)} nor a scalar: zpp_compile cannot checkpoint it sharded"
-    )
+    return {"state": state, "param_groups": groups}
 
 
 @torch.no_grad()
 def load_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Load a state dict from optimizer_state_dict() (its FlatShardedTensors of this layout, as
-    filled by DCP, or full tensors for the keys listed in "sharded_state", e.g. from an export).
+    """Load a state dict of optimizer_state_dict() (or of torch's get_optimizer_state_dict, full or
+    sharded): DTensor state of any layout, or full tensors, for parameter-shaped state.
 
     Works on a fresh optimizer (no state yet): the state tensors are created. Hyper-parameters of
     the param groups are taken from the state dict, as torch.optim.Optimizer.load_state_dict does.
     """
     model = unwrap_compiled(model)
+    params = _check_groups(model, optim, state_dict)
+    _init_optim_state(optim)  # entries of the right types (DTensor or plain) to load into
+    new_state: dict[Tensor, dict[str, Any]] = {}
+    for fqn, entries in state_dict["state"].items():
+        p = params[fqn]
+        current = optim.state.get(p, {})
+        new_state[p] = {
+            key: _state_value(p, value, current.get(key), f"optimizer state {fqn}.{key}") for key, value in entries.items()
+        }
+    for group, saved in zip(optim.param_groups, state_dict["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    optim.state.clear()
+    optim.state.update(new_state)
+
+
+def _check_groups(model: nn.Module, optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Tensor]:
+    """{fqn: parameter} of the optimizer, after checking the saved groups name the same parameters."""
     named_groups = _optimizer_params(model, optim)
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(named_groups):
@@ -100,38 +99,24 @@ def load_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, st
         params.update(named)
     unknown = sorted(set(state_dict["state"]) - set(params))
     if unknown:
-        raise CheckpointMismatchError(
-            f"the checkpoint has optimizer state for parameters the optimizer lacks: {unknown}"
-        )
-    sharded = {tuple(k) for k in state_dict.get(SHARDED_STATE_KEY, [])}
+        raise CheckpointMismatchError(f"the checkpoint has optimizer state for parameters the optimizer lacks: {unknown}")
+    return params
 
-    new_state: dict[Tensor, dict[str, Any]] = {}
-    for fqn, entries in state_dict["state"].items():
-        p = params[fqn]
-        spec = shard_spec(p)
-        current = optim.state.get(p, {})
-        new_state[p] = {}
-        for key, value in entries.items():
-            old = current.get(key)
-            if isinstance(value, FlatShardedTensor) or (isinstance(value, Tensor) and (fqn, key) in sharded):
-                start, stop = local_range(spec, _rank_of(p))
-                local = _local_values(value, spec, start, stop, f"optimizer state {fqn}.{key}")
-                if not (isinstance(old, Tensor) and old.shape == p.shape and old.dtype == value.dtype):
-                    old = torch.zeros(p.shape, dtype=value.dtype, device=p.device)
-                _write_local(old, local)
-                new_state[p][key] = old
-            elif isinstance(value, Tensor):
-                if isinstance(old, Tensor) and old.shape == value.shape and old.dtype == value.dtype:
-                    if old.data_ptr() != value.data_ptr():
-                        old.copy_(value)
-                    new_state[p][key] = old
-                else:
-                    new_state[p][key] = value.detach().clone()
-            else:
-                new_state[p][key] = copy.deepcopy(value)
-    for group, saved in zip(optim.param_groups, saved_groups):
-        for k, v in saved.items():
-            if k != "params":
-                group[k] = v
-    optim.state.clear()
-    optim.state.update(new_state)
+
+def _state_value(p: DTensor, value: Any, old: Any, key: str) -> Any:
+    """The state entry to keep, in the type and place of `old` (the optimizer's own entry, created
+    by a zero-lr step if it had none): DTensor state gets this rank's chunk of `value` in place
+    (nothing to do when DCP loaded into it), plain state (AdamW's step) a copy of `value`."""
+    if not isinstance(value, Tensor):
+        return copy.deepcopy(value)
+    if value is old:
+        return old
+    if old is None and value.shape == p.shape and p.dim() and not isinstance(value, DTensor):
+        old = torch.zeros_like(p, dtype=value.dtype)  # a parameter-shaped entry the optimizer had not made
+    if isinstance(old, DTensor) and old.shape == value.shape:
+        old.to_local().copy_(_local_values(p, value, key))
+        return old
+    if isinstance(old, Tensor) and old.shape == value.shape and not isinstance(value, DTensor):
+        old.copy_(value)
+        return old
+    return value.detach().clone()

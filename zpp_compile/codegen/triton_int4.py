@@ -27,9 +27,13 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from .int4 import OFFSET, QMAX, chunk_payload_numel
+from .int4 import OFFSET as _OFFSET, QMAX as _QMAX, chunk_payload_numel
 from .triton_quantize import block_scales, quantize_to_grid
 
+# Compiled Triton reads a module global in a kernel only if it is a tl.constexpr (the
+# interpreter, which the CPU tests use, does not check: found on a GPU).
+QMAX = tl.constexpr(_QMAX)
+OFFSET = tl.constexpr(_OFFSET)
 _TILE_ELEMENTS = 4096
 
 

@@ -16,8 +16,10 @@ from .hpz import hpz
 from .lower_gather import lower_gather
 from .lower_quantized_gather import lower_quantized_gather
 from .lower_reduce import lower_reduce
+from .lower_replicated import lower_replicated
 from .qgz import qgz
 from .qwz import qwz
+from .read_local_inputs import read_local_inputs
 from .recompute import check_no_gathered_weight_saved, tag_gathers_for_recompute
 from .schedule_overlap import schedule_overlap
 
@@ -27,16 +29,23 @@ PartitionPass = Callable[[fx.GraphModule, fx.GraphModule, PassContext], tuple[fx
 # On the Dynamo graph, before AOTAutograd (changes what the backward computes).
 PRE_AUTOGRAD_PASSES: list[GraphPass] = [dedupe_gathers]
 # On the joint graph, before partitioning (changes what the forward saves).
-JOINT_PASSES: list[GraphPass] = [tag_gathers_for_recompute]
+JOINT_PASSES: list[GraphPass] = [read_local_inputs, tag_gathers_for_recompute]
 # On the forward and backward graphs together, right after partitioning (changes what is saved).
 PARTITION_PASSES: list[PartitionPass] = [hpz]
 # On the partitioned graphs, before lowering to Inductor.
 # qwz first: it rewrites the forward gathers it quantizes; lower_gather takes whatever is left.
 # The scheduling passes come last: they see the collectives that really travel.
 SCHEDULING_PASSES: list[GraphPass] = [bucket_collectives, schedule_overlap]
-FORWARD_PASSES: list[GraphPass] = [qwz, lower_gather, lower_quantized_gather, *SCHEDULING_PASSES]
+FORWARD_PASSES: list[GraphPass] = [qwz, lower_gather, lower_quantized_gather, lower_replicated, *SCHEDULING_PASSES]
 # qgz before lower_reduce: it rewrites the gradient reductions it quantizes.
-BACKWARD_PASSES: list[GraphPass] = [lower_gather, lower_quantized_gather, qgz, lower_reduce, *SCHEDULING_PASSES]
+BACKWARD_PASSES: list[GraphPass] = [
+    lower_gather,
+    lower_quantized_gather,
+    lower_replicated,
+    qgz,
+    lower_reduce,
+    *SCHEDULING_PASSES,
+]
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[GraphPass]) -> fx.GraphModule:
@@ -77,8 +86,10 @@ __all__ = [
     "lower_gather",
     "lower_quantized_gather",
     "lower_reduce",
+    "lower_replicated",
     "qgz",
     "qwz",
+    "read_local_inputs",
     "run_partition_passes",
     "run_passes",
     "tag_gathers_for_recompute",

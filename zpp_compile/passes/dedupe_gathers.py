@@ -1,10 +1,10 @@
 """dedupe_gathers: one gather per parameter per graph.
 
 Before (Dynamo graph; a tied weight read by two modules, or a weight read twice):
-    w_a = zpp.gather_param(shard, 35, [7, 5], 4, '0')      ... used by linear_1
-    w_b = zpp.gather_param(shard, 35, [7, 5], 4, '0')      ... used by linear_2
+    w_a = zpp.gather_param(p.to_local(), 35, [7, 5], 10, 4, '0')      ... used by linear_1
+    w_b = zpp.gather_param(p.to_local(), 35, [7, 5], 10, 4, '0')      ... used by linear_2
 After:
-    w_a = zpp.gather_param(shard, 35, [7, 5], 4, '0')      ... used by linear_1 and linear_2
+    w_a = zpp.gather_param(p.to_local(), 35, [7, 5], 10, 4, '0')      ... used by linear_1 and linear_2
 
 Dynamo's graph calls the op packets (torch.ops.zpp.gather_param), AOT's the overloads
 (.default); both are matched. Keyword arguments (mixed precision's dtype=, reduce_dtype=) are
@@ -56,5 +56,13 @@ def _changes_mode(node: fx.Node) -> bool:
 
 
 def _gather_key(node: fx.Node) -> tuple:
-    args = (tuple(a) if isinstance(a, list) else a for a in node.args)
-    return (node.target, *args, *sorted(node.kwargs.items(), key=lambda kv: kv[0]))
+    source, *rest = node.args
+    args = (tuple(a) if isinstance(a, list) else a for a in rest)
+    return (node.target, _parameter_of(source), *args, *sorted(node.kwargs.items(), key=lambda kv: kv[0]))
+
+
+def _parameter_of(source: fx.Node) -> fx.Node:
+    """The graph input a gather reads: each read of a DTensor parameter calls its own to_local()."""
+    if source.op == "call_method" and source.target == "to_local":
+        return source.args[0]
+    return source

@@ -14,7 +14,13 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 # The markers that stand for "the full weight of this parameter", before lowering.
-GATHER_MARKERS = (torch.ops.zpp.gather_param.default, torch.ops.zpp.gather_quantized_param.default)
+GATHER_MARKERS = (
+    torch.ops.zpp.gather_param.default,
+    torch.ops.zpp.gather_quantized_param.default,
+    torch.ops.zpp.replicated_param.default,
+)
+# Those that gather from a sharded parameter (hpZ can re-gather them inside the node).
+SHARD_GATHERS = GATHER_MARKERS[:2]
 
 
 # Functional collectives as the lowered graphs issue them (Inductor's bucketing writes the _out
@@ -24,6 +30,7 @@ COLLECTIVE_STARTS = (
     c10d.all_gather_into_tensor_out.default,
     c10d.reduce_scatter_tensor.default,
     c10d.all_to_all_single.default,
+    c10d.all_reduce.default,
 )
 
 
@@ -66,6 +73,17 @@ def insert_call(graph: fx.Graph, target: Callable, *args: Any, **kwargs: Any) ->
     with fake_mode:
         node.meta["val"] = target(*fake_args, **fake_kwargs)
     return node
+
+
+def flatten_padded(graph: fx.Graph, tensor: fx.Node, target_numel: int) -> fx.Node:
+    """`tensor` as a contiguous 1-D tensor (copied only if it is strided), zero-padded to target_numel."""
+    if not tensor.meta["val"].is_contiguous():
+        tensor = insert_call(graph, aten.clone.default, tensor, memory_format=torch.contiguous_format)
+    flat = tensor if tensor.meta["val"].dim() == 1 else insert_call(graph, aten.view.default, tensor, [-1])
+    pad = target_numel - flat.meta["val"].numel()
+    if pad:
+        flat = insert_call(graph, aten.constant_pad_nd.default, flat, [0, pad])
+    return flat
 
 
 def replace_node(old: fx.Node, new: fx.Node) -> None:

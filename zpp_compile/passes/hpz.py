@@ -5,13 +5,13 @@ partition, because it changes what one saves and the other reads. K = hpz_size, 
 index in its hpZ group (K consecutive ranks of one node), W = world size.
 
 Before (forward saves the primary shard; the backward re-gathers over the whole world):
-    fw:  w = zpp.gather_param(shard, numel, shape, W, world)      ...  return (out, ..., shard)
-    bw:  shard (input) -> w = zpp.gather_param(shard, numel, shape, W, world)
+    fw:  w = zpp.gather_param(shard, numel, shape, S, W, world)      ...  return (out, ..., shard)
+    bw:  shard (input) -> w = zpp.gather_param(shard, numel, shape, S, W, world)
 
 After, full-precision secondary (qwZ off):
     fw:  w = zpp.gather_param(shard, ...); sec = owned_copy(pad(w.view(-1))[k*W*S/K : (k+1)*W*S/K])
          return (out, ..., sec)
-    bw:  sec (input) -> w = zpp.gather_param(sec, numel, shape, K, hpz_group)
+    bw:  sec (input) -> w = zpp.gather_param(sec, numel, shape, W*S/K, K, hpz_group)
     (Under mixed precision w, and so sec, are in param_dtype: the backward gather needs no cast.)
 
 After, int8 secondary (qwZ on, or a frozen weight stored int8; Config.hpz_quantized_secondary):
@@ -34,9 +34,8 @@ import torch
 import torch.fx as fx
 
 from ..codegen.quantize import payload_numel
-from ..ops import padded_numel
 from .context import PassContext
-from .graph_utils import GATHER_MARKERS, aten, calls, finish, insert_call, replace_node
+from .graph_utils import SHARD_GATHERS, aten, calls, finish, insert_call, replace_node
 from .qwz import inline_int8_gather
 
 log = logging.getLogger(__name__)
@@ -46,7 +45,7 @@ def hpz(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, ctx: PassContext) -> tuple
     if ctx.topology.hpz_size == 1:
         log.debug("hpz: %s: hpZ is off; graphs unchanged", ctx.label)
         return fw_gm, bw_gm
-    fw_gathers = {m.args[0].name: m for m in calls(fw_gm.graph, *GATHER_MARKERS) if m.args[0].op == "placeholder"}
+    fw_gathers = {m.args[0].name: m for m in calls(fw_gm.graph, *SHARD_GATHERS) if m.args[0].op == "placeholder"}
     fw_outputs = list(fw_gm.graph.output_node().args[0])
     rewritten = 0
     for saved in _saved_shards_regathered(bw_gm):
@@ -73,7 +72,7 @@ def _saved_shards_regathered(bw_gm: fx.GraphModule) -> list[fx.Node]:
     return [
         p
         for p in bw_gm.graph.nodes
-        if p.op == "placeholder" and p.users and all(u.target in GATHER_MARKERS and u.args[0] is p for u in p.users)
+        if p.op == "placeholder" and p.users and all(u.target in SHARD_GATHERS and u.args[0] is p for u in p.users)
     ]
 
 
@@ -85,14 +84,16 @@ def _keeps_int8(marker: fx.Node, ctx: PassContext) -> bool:
 
 def _full_precision_secondary(graph: fx.Graph, marker: fx.Node, ctx: PassContext) -> tuple[fx.Node, tuple]:
     """This rank's 1/K slice of the flat, padded full weight, and the backward gather's (target, args)."""
-    numel, shape, group_size = marker.args[1], marker.args[2], marker.args[-2]
-    total = padded_numel(numel, group_size)  # W * S, a multiple of K because K divides W
+    # Both markers carry (numel, shape, shard_numel) at 1..3 and (group_size, group_name) last.
+    numel, shape, shard_numel, group_size = *marker.args[1:4], marker.args[-2]
+    total = shard_numel * group_size  # W * S, a multiple of K because K divides W
     flat = insert_call(graph, aten.view.default, marker, [-1])
     if total != numel:
         flat = insert_call(graph, aten.constant_pad_nd.default, flat, [0, total - numel])
-    secondary = _own_slice(graph, flat, total // ctx.topology.hpz_size, ctx)
     topology = ctx.topology
-    return secondary, (torch.ops.zpp.gather_param.default, (numel, shape, topology.hpz_size, topology.hpz_group_name))
+    secondary = _own_slice(graph, flat, total // topology.hpz_size, ctx)
+    args = (numel, shape, total // topology.hpz_size, topology.hpz_size, topology.hpz_group_name)
+    return secondary, (torch.ops.zpp.gather_param.default, args)
 
 
 def _int8_secondary(graph: fx.Graph, marker: fx.Node, ctx: PassContext) -> tuple[fx.Node, tuple]:

@@ -1,7 +1,9 @@
 """lower_gather: rewrite each parameter-gather marker into a functional all-gather.
 
-Before:  w = zpp.gather_param(shard, numel, shape, group_size, group_name[, dtype=d])
-After:   shard = prims.convert_element_type(shard, d)   # only under mixed precision
+Before:  w = zpp.gather_param(local, numel, shape, shard_numel, group_size, group_name[, dtype=d])
+After:   flat = aten.view(local, [-1])                  # aten.clone first if local is strided
+         flat = aten.constant_pad_nd(flat, [0, pad])    # only on a rank holding fewer rows
+         shard = prims.convert_element_type(flat, d)    # only under mixed precision
          g = _c10d_functional.all_gather_into_tensor(shard, group_size, group_name)
          g = _c10d_functional.wait_tensor(g)
          g = aten.slice(g, 0, 0, numel)        # only when the shards carry padding
@@ -16,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from .context import PassContext
-from .graph_utils import aten, c10d, insert_call, rewrite_calls
+from .graph_utils import aten, c10d, flatten_padded, insert_call, rewrite_calls
 
 
 def lower_gather(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -24,8 +26,8 @@ def lower_gather(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _all_gather_weight(graph: fx.Graph, marker: fx.Node) -> fx.Node:
-    shard, numel, shape, group_size, group_name = marker.args
-    shard = cast_for_gather(graph, shard, marker)
+    local, numel, shape, shard_numel, group_size, group_name = marker.args
+    shard = cast_for_gather(graph, flatten_padded(graph, local, shard_numel), marker)
     full = all_gather_flat(graph, shard, group_size, group_name)
     if full.meta["val"].numel() != numel:
         full = insert_call(graph, aten.slice.Tensor, full, 0, 0, numel)

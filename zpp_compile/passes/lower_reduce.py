@@ -1,8 +1,8 @@
 """lower_reduce: rewrite each gradient-reduce marker into a functional reduce-scatter, averaged.
 
-Before:  g_shard = zpp.reduce_grad(grad, numel, group_size, group_name)
+Before:  g_shard = zpp.reduce_grad(grad, numel, shard_numel, group_size, group_name)
 After:   flat = aten.view(grad, [-1])                    # aten.clone first if grad is not contiguous
-         flat = aten.constant_pad_nd(flat, [0, pad])     # only when numel does not divide
+         flat = aten.constant_pad_nd(flat, [0, pad])     # to shard_numel * group_size, if short
          r = _c10d_functional.reduce_scatter_tensor(flat, "sum", group_size, group_name)
          r = _c10d_functional.wait_tensor(r)
          g_shard = aten.div(r, group_size)                # average over the world exactly once
@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..ops import padded_numel
 from .context import PassContext
-from .graph_utils import aten, c10d, insert_call, rewrite_calls
+from .graph_utils import aten, c10d, flatten_padded, insert_call, rewrite_calls
 
 
 def lower_reduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -25,19 +24,8 @@ def lower_reduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _reduce_scatter_mean(graph: fx.Graph, marker: fx.Node) -> fx.Node:
-    grad, numel, group_size, group_name = marker.args
-    flat = flatten_padded(graph, grad, padded_numel(numel, group_size))
+    grad, numel, shard_numel, group_size, group_name = marker.args
+    flat = flatten_padded(graph, grad, shard_numel * group_size)
     reduced = insert_call(graph, c10d.reduce_scatter_tensor.default, flat, "sum", group_size, group_name)
     reduced = insert_call(graph, c10d.wait_tensor.default, reduced)
     return insert_call(graph, aten.div.Tensor, reduced, group_size)
-
-
-def flatten_padded(graph: fx.Graph, tensor: fx.Node, target_numel: int) -> fx.Node:
-    """`tensor` as a contiguous 1-D tensor (copied only if it is strided), zero-padded to target_numel."""
-    if not tensor.meta["val"].is_contiguous():
-        tensor = insert_call(graph, aten.clone.default, tensor, memory_format=torch.contiguous_format)
-    flat = insert_call(graph, aten.view.default, tensor, [-1])
-    pad = target_numel - flat.meta["val"].numel()
-    if pad:
-        flat = insert_call(graph, aten.constant_pad_nd.default, flat, [0, pad])
-    return flat

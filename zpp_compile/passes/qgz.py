@@ -1,7 +1,7 @@
 """qgz: int4 hierarchical all-to-all gradient reduce-scatter (ZeRO++ qgZ), bucketed.
 
 Runs on the backward graph before lower_reduce (which then has nothing left to lower).
-Before:  g_i = zpp.reduce_grad(grad_i, numel_i, W, world)     for each parameter i
+Before:  g_i = zpp.reduce_grad(grad_i, numel_i, S_i, W, world)     for each parameter i
 After:   one plan per bucket of consecutive markers (Config.reduce_bucket_bytes), traced from
          qgz_reduce_scatter and placed where the bucket's last marker was. L ranks per node,
          N nodes, W = N * L; S_i = shard numel of parameter i, C_i = S_i rounded up to a block:
@@ -35,7 +35,6 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from .. import error_feedback  # noqa: F401  (registers zpp::ef_load / zpp::ef_store)
 from ..codegen.registry import QuantKernels, quant_kernels
 from ..error_feedback import new_slot
-from ..ops import padded_numel
 from ..topology import Topology
 from .buckets import bucket_by_bytes
 from .context import PassContext
@@ -53,8 +52,8 @@ def qgz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         log.debug("qgz: %s has no gradient reductions; graph unchanged", ctx.label)
         return gm
     for marker in markers:
-        if marker.args[2] != ctx.topology.world_size:
-            raise NotImplementedError(f"qgz: {marker.name} reduces over {marker.args[2]} ranks; qgZ reduces over the world.")
+        if marker.args[3] != ctx.topology.world_size:
+            raise NotImplementedError(f"qgz: {marker.name} reduces over {marker.args[3]} ranks; qgZ reduces over the world.")
     for bucket in bucket_by_bytes(markers, _gradient_bytes, ctx.config.reduce_bucket_bytes):
         _rewrite_bucket(gm.graph, bucket, ctx)
     stable_topological_sort(gm.graph)  # a user of an early marker may sit before the bucket's end
@@ -71,6 +70,7 @@ def _rewrite_bucket(graph: fx.Graph, bucket: list[fx.Node], ctx: PassContext) ->
     fn = functools.partial(
         qgz_reduce_scatter,
         numels=[marker.args[1] for marker in bucket],
+        shards=[marker.args[2] for marker in bucket],
         topology=ctx.topology,
         block=ctx.config.gradient_block_size,
         kernels=quant_kernels(grads[0].meta["val"].device),
@@ -86,6 +86,7 @@ def _rewrite_bucket(graph: fx.Graph, bucket: list[fx.Node], ctx: PassContext) ->
 def qgz_reduce_scatter(
     *grads: Tensor,
     numels: list[int],
+    shards: list[int],
     topology: Topology,
     block: int,
     kernels: Optional[QuantKernels] = None,
@@ -99,7 +100,6 @@ def qgz_reduce_scatter(
     """
     kernels = kernels or quant_kernels(grads[0].device)
     world, local, nodes = topology.world_size, topology.ranks_per_node, topology.num_nodes
-    shards = [padded_numel(numel, world) // world for numel in numels]
     chunks = [-(-shard // block) * block for shard in shards]
     values = torch.cat([_node_rank_chunks(g, n, s, c, nodes, local) for g, n, s, c in zip(grads, numels, shards, chunks)], -1)
     chunk = values.shape[-1]

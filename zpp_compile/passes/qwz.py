@@ -2,8 +2,9 @@
 
 Runs on the partitioned forward (and inference) graph, before lower_gather; backward gathers are
 left to lower_gather and stay full precision.
-Before:  w = zpp.gather_param(shard, numel, shape, group_size, group_name)
-After:   payload = quantize_packed(shard)            int8 blocks + fp32 scales in one buffer
+Before:  w = zpp.gather_param(local, numel, shape, shard_numel, group_size, group_name)
+After:   shard = pad(local.view(-1), shard_numel)     this rank's part as every rank sends it
+         payload = quantize_packed(shard)            int8 blocks + fp32 scales in one buffer
          gathered = wait_tensor(all_gather_into_tensor(payload))      one collective
          w = dequantize_packed(gathered)[:numel].view(shape)          in the shard's dtype,
                                                                        or Config.param_dtype
@@ -19,6 +20,7 @@ import logging
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..codegen.quantize import weight_from_payloads
@@ -38,22 +40,25 @@ def qwz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def quantized_all_gather(
-    shard: Tensor,
+    local: Tensor,
     numel: int,
     shape: list[int],
+    shard_numel: int,
     group_size: int,
     group_name: str,
     block: int,
     kernels: QuantKernels,
     dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    """qwZ's forward gather: quantize into the payload, one all-gather, dequantize to `dtype`
-    (the shard's, or Config.param_dtype: the master shard itself is what gets quantized).
+    """qwZ's forward gather: quantize this rank's part (flat, zero-padded to shard_numel) into the
+    payload, one all-gather, dequantize to `dtype` (the part's, or Config.param_dtype: the master
+    shard itself is what gets quantized).
 
     Returns (full weight, the gathered int8 payloads); hpZ keeps a slice of the latter.
     """
-    payload = kernels.quantize_packed(shard, block)
-    return gather_and_dequantize(payload, numel, shape, shard.numel(), block, dtype, group_size, group_name, kernels)
+    flat = local.reshape(-1)
+    payload = kernels.quantize_packed(F.pad(flat, (0, shard_numel - flat.numel())), block)
+    return gather_and_dequantize(payload, numel, shape, shard_numel, block, dtype, group_size, group_name, kernels)
 
 
 def gather_and_dequantize(
@@ -94,13 +99,13 @@ def inline_int8_gather(
     source = marker.args[0]
     kernels = quant_kernels(source.meta["val"].device)
     if marker.target == torch.ops.zpp.gather_param.default:
-        _, numel, shape, group_size, group_name = marker.args
+        _, numel, shape, shard_numel, group_size, group_name = marker.args
         dtype = marker.kwargs.get("dtype") or source.meta["val"].dtype  # quantized from the master shard
-        layout = (numel, list(shape), source.meta["val"].numel(), block, dtype)
+        layout = (numel, list(shape), shard_numel, block, dtype)
         fn = functools.partial(
             quantized_all_gather,
-            numel=numel, shape=list(shape), group_size=group_size, group_name=group_name, block=block, kernels=kernels,
-            dtype=dtype,
+            numel=numel, shape=list(shape), shard_numel=shard_numel, group_size=group_size, group_name=group_name,
+            block=block, kernels=kernels, dtype=dtype,
         )  # fmt: skip
     else:
         _, numel, shape, shard_numel, block, dtype, group_size, group_name = marker.args

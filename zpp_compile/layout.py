@@ -1,0 +1,150 @@
+"""How a parameter is split across ranks: ShardSpec, the state shard() attaches, and their accessors.
+
+Every layer that needs to know what a sharded parameter is (the backend, the passes, checkpoints,
+clipping, initialization) reads it from here; none of them needs `shard()` itself, so the import
+direction is one way: layout <- sharding, checkpoint, backend.
+
+The split is FSDP2's: a parameter of shape [d0, *rest] is cut along dim 0 into `world` chunks of
+ceil(d0 / world) rows (torch.chunk; trailing ranks may hold fewer rows, or none), and exposed as a
+DTensor with placement Shard(0) on a 1-D mesh over the world. A 0-d parameter cannot be cut and is
+Replicate(): every rank holds it, and its gradient is all-reduced. The collectives move each rank's
+chunk zero-padded to ceil(d0 / world) rows (`shard_numel` elements), so every rank sends the same
+number of bytes and the gathered buffer is the full tensor, row-major, followed by zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .config import Config
+from .topology import Topology
+
+if TYPE_CHECKING:
+    from .cost_model import CostModel
+
+
+class ShardingError(RuntimeError):
+    """A sharded model was changed in a way its shards cannot follow (replaced, added, moved), or
+    the ranks disagree about what they shard."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """What a shard is a piece of: the full parameter's name, shape, and the group it is split over.
+
+    quantized_block is set when the shard is stored as its packed int8 payload
+    (Config.quantize_frozen_weights); dtype is then the dtype it dequantizes to.
+    compute_dtype / reduce_dtype (mixed precision) are None where they equal the shard's dtype,
+    so a model without mixed precision traces exactly the graphs it did before.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    numel: int
+    group_size: int
+    group_name: str
+    dtype: torch.dtype = torch.float32
+    quantized_block: Optional[int] = None
+    compute_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    device: torch.device = torch.device("cpu")  # where the shard lives; moving it later is refused
+    plan_id: int = 0  # which shard() call made it: compiled graphs are specialised on it (see gather_full)
+
+    @property
+    def replicated(self) -> bool:
+        """A 0-d parameter: every rank holds all of it (DTensor Replicate)."""
+        return not self.shape
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows of dim 0 in every rank's padded chunk (torch.chunk's chunk size)."""
+        return 1 if self.replicated else -(-self.shape[0] // self.group_size)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank sends in a gather of this parameter (its chunk, zero-padded)."""
+        return self.rows_per_rank * self.row_numel
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the gathered buffer: the full parameter followed by zeros."""
+        return self.shard_numel * self.group_size
+
+    def local_rows(self, rank: int) -> int:
+        """Rows of dim 0 that `rank` holds (0 for trailing ranks of a short parameter)."""
+        if self.replicated:
+            return 1
+        return max(0, min(self.rows_per_rank, self.shape[0] - rank * self.rows_per_rank))
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """The shape of `rank`'s DTensor local tensor."""
+        return () if self.replicated else (self.local_rows(rank), *self.shape[1:])
+
+    def local_numel(self, rank: int) -> int:
+        return math.prod(self.local_shape(rank))
+
+    def local_range(self, rank: int) -> tuple[int, int]:
+        """Elements [start, stop) of the flattened full parameter that `rank` holds."""
+        if self.replicated:
+            return 0, 1
+        start = min(rank * self.shard_numel, self.numel)
+        return start, start + self.local_numel(rank)
+
+
+@dataclasses.dataclass
+class ShardedState:
+    """Attached to the root module by shard(): the config and layout every compiled graph reads."""
+
+    config: Config
+    topology: Topology
+    specs: dict[str, ShardSpec]
+    mesh: object = None  # the DeviceMesh the parameters' DTensors live on
+    cost_model: Optional["CostModel"] = None
+    recompile_storm_reported: bool = False
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "_zpp_state", None), ShardedState)
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module torch.compile(model) wraps (its _orig_mod), or `model` itself."""
+    return getattr(model, "_orig_mod", model)
+
+
+def sharded_state(model: nn.Module) -> ShardedState:
+    model = unwrap_compiled(model)
+    if not is_sharded(model):
+        raise ValueError("this model is not sharded: call zpp_compile.shard(model, zpp_compile.Config()) first.")
+    return model._zpp_state
+
+
+def shard_spec(param: Tensor) -> Optional[ShardSpec]:
+    """The ShardSpec of a parameter created by shard() (or its int8 payload), None for any other tensor."""
+    return getattr(param, "_zpp_spec", None)
+
+
+def state_of_shard(param: Tensor) -> Optional[ShardedState]:
+    """The ShardedState of the model a shard belongs to, or None for any other tensor."""
+    return getattr(param, "_zpp_state", None)
+
+
+PAYLOAD_SUFFIX = "_zpp_int8"  # buffer name suffix of a frozen weight stored as its int8 payload
+
+
+def int8_payload(module: nn.Module, name: str) -> Optional[Tensor]:
+    """The int8 payload of `module.<name>` if it is a frozen weight stored quantized, else None."""
+    return module._buffers.get(name + PAYLOAD_SUFFIX)
+
+
+def join_fqn(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
