@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -321,3 +323,24 @@ def test_a_checkpoint_that_does_not_fit_names_the_keys(pools, tmp_path):
         assert "missing key(s) in the checkpoint: ['extra_scale']" in message
         assert "holds no optimizer state" in message
         assert "non-strict load: True" in message
+
+
+V0_CHECKPOINT = Path(__file__).parent / "data" / "checkpoint_v0_gpt_world2"
+
+
+def load_v0_checkpoint() -> dict:
+    """A checkpoint written by zpp_compile 0.1 (flat shards, FlatShardedTensor), loaded now."""
+    torch.manual_seed(1)
+    model = zpp_compile.shard(build("gpt"), _config())
+    opt = _optimizer(model, lr=0.5, weight_decay=0.0)
+    extra = zpp_compile.load_checkpoint(str(V0_CHECKPOINT), model, opt)
+    return _report(model, opt) | {"extra": extra}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_checkpoint_of_the_flat_shard_format_still_loads_bitwise(pools, world):
+    expected = torch.load(V0_CHECKPOINT.parent / "checkpoint_v0_gpt_world2_expected.pt", weights_only=False)
+    for rank, got in enumerate(pools(world).run(load_v0_checkpoint)):
+        _assert_bitwise(expected["params"], got["params"], f"rank {rank} params")
+        _assert_bitwise(expected["optim"], got["optim"], f"rank {rank} optimizer state")
+        assert got["groups"] == expected["groups"] and got["extra"] == {"step": 2}

@@ -140,6 +140,24 @@ def _random_inplace(op: Any, args: tuple, kwargs: dict) -> Any:
     return target
 
 
+_RANDOM_LIKE = (
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.randint_like.default,
+    aten.randint_like.low_dtype,
+)
+
+
+@_handles(*_RANDOM_LIKE)
+def _random_like(op: Any, args: tuple, kwargs: dict) -> Any:
+    like = args[0]
+    if not _ours(like):
+        return stock(op, args, kwargs)
+    full = op(torch.empty(like.shape, dtype=like.dtype, device=like._local_tensor.device), *args[1:], **kwargs)
+    local = chunk_of(full, like).contiguous()
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=full.shape, stride=full.stride(), run_check=False)
+
+
 def _write_local(target: DTensor, values: Tensor) -> None:
     with torch.no_grad():
         target._local_tensor.copy_(values)

@@ -97,6 +97,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     model._zpp_state = state
     _refuse_data_parallel_wrapping(model)
     _gather_on_save_pretrained(model)
+    _tell_hugging_face_trainer(model)
     dtensor_ops.install()
     from .checkpoint.state_dict import install_state_dict_hooks  # noqa: PLC0415  (checkpoint imports layout)
 
@@ -166,14 +167,23 @@ class _RefusedByZeroSharding:
         raise ShardingError(
             "DistributedDataParallel(model) around a zpp_compile-sharded model: DDP would broadcast rank "
             "0's shards over every other rank's and average gradients a second time. zpp_compile "
-            "already trains data-parallel: use the sharded model as it is. With HF Trainer / Accelerate, "
-            "see README 'Launchers that wrap the model in DDP' (Accelerator(distributed_type='NO') or "
-            "skip the DDP wrap; the model must not be wrapped)."
+            "already trains data-parallel: use the sharded model as it is. Hugging Face Trainer needs "
+            "nothing (shard() tells it not to wrap the model); with Accelerate, pass the optimizer and "
+            "data loaders to accelerator.prepare(), not the model. See README, 'Launchers that wrap the "
+            "model in DDP'."
         )
 
 
 def _refuse_data_parallel_wrapping(model: nn.Module) -> None:
     model._ddp_params_and_buffers_to_ignore = _RefusedByZeroSharding()
+
+
+def _tell_hugging_face_trainer(model: nn.Module) -> None:
+    """Hugging Face Trainer (transformers 5) skips its DDP wrap for a model whose
+    is_distributed_loading_by_transformers is True: the model "owns its placement and gradient
+    reduction", which a sharded model does. (Trainer then also asks for save_only_model=True.)"""
+    if isinstance(getattr(type(model), "is_distributed_loading_by_transformers", None), property):
+        model._is_distributed_loading_by_transformers = True
 
 
 def _gather_on_save_pretrained(model: nn.Module) -> None:
