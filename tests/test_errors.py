@@ -30,6 +30,10 @@ from .models import OddMLP
         ({"lowering": "tvm"}, ValueError, "use 'inductor' or 'aot_eager'"),
         ({"param_dtype": torch.int8}, ValueError, "param_dtype=torch.int8 is not a floating-point torch dtype"),
         ({"reduce_dtype": "bf16"}, ValueError, "use torch.bfloat16"),
+        ({"weight_block_size": 2**26}, ValueError, "weight_block_size=67108864 is larger than 8192.*1.6 GB"),
+        ({"gradient_block_size": 2**14}, ValueError, "gradient_block_size=16384 is larger than 8192"),
+        ({"collective_timeout_s": float("nan")}, ValueError, "collective_timeout_s=nan must be a positive number"),
+        ({"check_schedule": -1}, ValueError, "check_schedule=-1 is out of range"),
     ],
 )
 def test_config_values_out_of_range(kwargs, error, message):
@@ -161,3 +165,20 @@ def test_backend_resolves_by_name_without_importing_zpp_compile():
     code = "import torch; from torch._dynamo.backends.registry import lookup_backend; print(lookup_backend('zeropp').__module__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "zpp_compile.backend", out.stderr
+
+
+def infinite_timeout_and_big_blocks() -> list[str]:
+    """collective_timeout_s=inf means no timeout (it overflowed before); a block far larger than
+    the shards warns with the cost."""
+    import warnings
+
+    zpp_compile.shard(OddMLP(), zpp_compile.Config(collective_timeout_s=float("inf")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zpp_compile.shard(OddMLP(), zpp_compile.Config(quantize_weights=True, weight_block_size=4096))
+    return [str(w.message) for w in caught if "weight_block_size" in str(w.message)]
+
+
+def test_an_infinite_timeout_is_accepted_and_oversized_blocks_warn(pools):
+    for messages in pools(2).run(infinite_timeout_and_big_blocks):
+        assert len(messages) == 1 and "pads this model's shards from" in messages[0], messages

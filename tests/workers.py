@@ -136,9 +136,11 @@ def reset_process_state() -> None:
 
     import zpp_compile
     from zpp_compile.backend import clear_compiled_graphs
+    from zpp_compile.schedule_check import CHECKED_RUNS
     from zpp_compile.topology import forget_current_topology
 
     torch._dynamo.reset()
     zpp_compile.comm_counter().reset()
     clear_compiled_graphs()
     forget_current_topology()
+    CHECKED_RUNS.reset()

@@ -28,8 +28,8 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import comm, passes
 from .faults import explained_collective_failures
-from .plan import collectives_in
-from .schedule_check import check_schedule
+from .plan import as_scheduled, collectives_in, marker_schedule
+from .schedule_check import Schedule, maybe_check
 from .layout import ShardedState, shard_spec, state_of_shard
 from .topology import require_initialized
 
@@ -88,7 +88,7 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
     decompositions = _inductor_decompositions() if use_inductor else {}
     ctx = passes.PassContext(
         config=state.config, topology=state.topology, graph_id=next(_graph_ids), decompositions=decompositions,
-        cost_model=state.cost_model,
+        cost_model=state.cost_model, plan_id=state.plan_id,
     )  # fmt: skip
     _RECORDS[ctx.graph_id] = GraphRecord(ctx.graph_id)
     gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
@@ -176,8 +176,10 @@ def _compile_partitioned(
     gm: fx.GraphModule, example_inputs: Sequence[Any], *, ctx: passes.PassContext, use_inductor: bool
 ) -> Callable:
     is_backward = ctx.phase == "backward"
+    markers = marker_schedule(gm)
     gm = passes.run_passes(gm, ctx, passes.BACKWARD_PASSES if is_backward else passes.FORWARD_PASSES)
     collectives = collectives_in(gm, "backward" if is_backward else "forward", ctx.label)
+    schedule = Schedule(ctx.label, (*markers, *map(as_scheduled, collectives)))
     record = _RECORDS[ctx.graph_id]
     setattr(record, "backward" if is_backward else "forward", gm)
     record.collectives[ctx.phase] = collectives
@@ -189,19 +191,24 @@ def _compile_partitioned(
         )
     else:
         compiled = make_boxed_func(gm.forward)
-    return _counting(compiled, collectives, ctx)
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    return _counting(compiled, collectives, schedule, device, ctx)
 
 
-def _counting(compiled: Callable, collectives: list[comm.Collective], ctx: passes.PassContext) -> Callable:
-    """Wrap a boxed compiled graph so each run adds its collectives to the communication counter
-    (and, in the schedule-check debug mode, compares them across ranks before the first run)."""
+def _counting(
+    compiled: Callable,
+    collectives: list[comm.Collective],
+    schedule: Schedule,
+    device: torch.device,
+    ctx: passes.PassContext,
+) -> Callable:
+    """Wrap a boxed compiled graph so each run adds its collectives to the communication counter,
+    and, on the checked runs (Config.check_schedule), compares its schedule across ranks first."""
     counter, topology = comm.comm_counter(), ctx.topology
-    unchecked = [ctx.config.schedule_check_enabled]
 
     def run(args: list[Any]) -> Any:
-        if unchecked[0]:
-            check_schedule(collectives, ctx.label)
-            unchecked[0] = False
+        if schedule.entries:
+            maybe_check(schedule, topology.world_group_name, device)
         with explained_collective_failures(
             f"compiled graph {ctx.graph_id} ({ctx.phase})", topology.collective_timeout_s
         ):

@@ -15,11 +15,17 @@ error starts at zero; the old graph's state stays until clear_error_feedback()),
 Dynamo reuses for several modules in one backward is refused (SharedErrorSlotError). Errors are
 stored in the units of the gradient: with a loss scaler, a scale change makes the carried error
 off by that factor for one step.
+
+Slots are numbered per model (per shard() call, its plan id) in the order its graphs create them,
+which is the same in every run of the same training script: a checkpoint saves a model's errors
+by that number (error_state) and a resumed run puts them back (restore_error_state) before its
+graphs are compiled, so the recompiled graphs pick them up.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -28,20 +34,36 @@ STATE_DTYPE = torch.bfloat16
 
 _ERRORS: dict[int, Tensor] = {}
 _STORED_IN: dict[int, int] = {}  # slot -> the autograd graph task (one backward call) that stored it
-_SLOTS = itertools.count()
+_SLOTS: dict[int, Iterator[int]] = {}  # plan id -> the numbers of its next slots
+SLOTS_PER_PLAN = 1 << 20  # slot = plan id * SLOTS_PER_PLAN + its number within the plan
 
 
 class SharedErrorSlotError(RuntimeError):
     pass
 
 
-def new_slot() -> int:
-    """A fresh state slot, one per quantization point of a compiled graph."""
-    return next(_SLOTS)
+def new_slot(plan_id: int = -1) -> int:
+    """A fresh state slot of the model `plan_id`, one per quantization point of a compiled graph
+    (-1: slots of no model, for tests of the kernels)."""
+    index = next(_SLOTS.setdefault(plan_id, itertools.count()))
+    return (plan_id + 1) * SLOTS_PER_PLAN + index
+
+
+def error_state(plan_id: int) -> dict[int, Tensor]:
+    """The stored errors of the model `plan_id`, by slot number within it (for checkpoints)."""
+    first = (plan_id + 1) * SLOTS_PER_PLAN
+    return {slot - first: t for slot, t in _ERRORS.items() if first <= slot < first + SLOTS_PER_PLAN}
+
+
+def restore_error_state(plan_id: int, errors: dict[int, Tensor]) -> None:
+    """Put back errors saved by error_state (from another process too) for the model `plan_id`."""
+    first = (plan_id + 1) * SLOTS_PER_PLAN
+    for index, t in errors.items():
+        _ERRORS[first + int(index)] = t.detach().to(STATE_DTYPE).clone()
 
 
 def clear_error_feedback() -> None:
-    """Drop every stored error (e.g. after loading a checkpoint, or between unrelated runs)."""
+    """Drop every stored error (e.g. between unrelated runs)."""
     _ERRORS.clear()
     _STORED_IN.clear()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 from typing import Iterator, Optional
 
 import torch.distributed as dist
@@ -65,5 +66,11 @@ def explained_collective_failures(where: str, timeout_s: Optional[float]) -> Ite
         raise
 
 
+# What "never time out" (collective_timeout_s=inf) becomes: process groups take a finite timeout.
+NO_TIMEOUT = datetime.timedelta(days=3650)
+
+
 def as_timedelta(timeout_s: Optional[float]) -> Optional[datetime.timedelta]:
-    return None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    if timeout_s is None:
+        return None
+    return NO_TIMEOUT if math.isinf(timeout_s) else datetime.timedelta(seconds=timeout_s)

@@ -109,6 +109,7 @@ class ShardedState:
     specs: dict[str, ShardSpec]
     mesh: object = None  # the DeviceMesh the parameters' DTensors live on
     cost_model: Optional["CostModel"] = None
+    plan_id: int = 0  # this shard() call's number in the process (ShardSpec.plan_id)
     recompile_storm_reported: bool = False
 
 

@@ -6,6 +6,9 @@ every rank holds whole; `zpp::gather_quantized_param` for weights stored or kept
 Eagerly they run plain collectives (the reference path); under tracing their fake impls give
 shapes, so Dynamo and AOTAutograd keep them as single, recognisable nodes that the passes in
 zpp_compile/passes lower to functional collectives or to the quantized plans (qwZ, hpZ, qgZ).
+
+Every marker carries the parameter's name (`fqn=`), so the schedule check can say which parameter
+two ranks disagree on; the lowerings ignore it.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import comm
-from .compat import all_gather_single, reduce_scatter_single
+from . import comm, schedule_check
 from .codegen.quantize import weight_from_payloads
+from .compat import all_gather_single, reduce_scatter_single
 from .faults import explained_collective_failures
 from .topology import current_topology, group_timeout_s
-
 
 
 @torch.library.custom_op("zpp::gather_param", mutates_args=())
@@ -37,6 +39,7 @@ def gather_param(
     *,
     dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    fqn: str = "",
 ) -> Tensor:
     """All-gather one parameter from every rank's part and return the full, unpadded weight.
 
@@ -48,11 +51,11 @@ def gather_param(
     Both None: the part's own dtype throughout.
     """
     flat = pad_flat(local.reshape(-1), shard_numel).to(dtype or local.dtype)
-    return _eager_all_gather(flat, group_size, group_name)[:numel].view(shape)
+    return _eager_all_gather(flat, group_size, group_name, fqn)[:numel].view(shape)
 
 
 @gather_param.register_fake
-def _(local, numel, shape, shard_numel, group_size, group_name, *, dtype=None, reduce_dtype=None) -> Tensor:
+def _(local, numel, shape, shard_numel, group_size, group_name, *, dtype=None, reduce_dtype=None, fqn="") -> Tensor:
     return local.new_empty(shape, dtype=dtype or local.dtype)
 
 
@@ -64,6 +67,7 @@ def replicated_param(
     *,
     dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    fqn: str = "",
 ) -> Tensor:
     """A parameter every rank holds whole (DTensor Replicate; 0-d parameters): nothing to gather,
     but its gradient is averaged over the group (zpp::all_reduce_grad). Returns a copy in `dtype`."""
@@ -71,7 +75,7 @@ def replicated_param(
 
 
 @replicated_param.register_fake
-def _(local, group_size, group_name, *, dtype=None, reduce_dtype=None) -> Tensor:
+def _(local, group_size, group_name, *, dtype=None, reduce_dtype=None, fqn="") -> Tensor:
     return torch.empty_like(local, dtype=dtype or local.dtype)
 
 
@@ -85,6 +89,8 @@ def gather_quantized_param(
     dtype: torch.dtype,
     group_size: int,
     group_name: str,
+    *,
+    fqn: str = "",
 ) -> Tensor:
     """All-gather packed int8 payloads and dequantize them to the full weight.
 
@@ -92,30 +98,24 @@ def gather_quantized_param(
     int8 secondary shard holds world/hpz_size of them). Used for frozen weights stored quantized
     (Config.quantize_frozen_weights) and for hpZ's backward gather under qwZ.
     """
-    gathered = _eager_all_gather(payload, group_size, group_name)
+    gathered = _eager_all_gather(payload, group_size, group_name, fqn)
     return weight_from_payloads(gathered, numel, shape, shard_numel, block, dtype)
 
 
 @gather_quantized_param.register_fake
-def _(
-    payload: Tensor,
-    numel: int,
-    shape: list[int],
-    shard_numel: int,
-    block: int,
-    dtype: torch.dtype,
-    group_size: int,
-    group_name: str,
-) -> Tensor:
+def _(payload, numel, shape, shard_numel, block, dtype, group_size, group_name, *, fqn="") -> Tensor:
     return payload.new_empty(shape, dtype=dtype)
 
 
 @torch.library.custom_op("zpp::reduce_grad", mutates_args=())
-def reduce_grad(grad: Tensor, numel: int, shard_numel: int, group_size: int, group_name: str) -> Tensor:
+def reduce_grad(
+    grad: Tensor, numel: int, shard_numel: int, group_size: int, group_name: str, *, fqn: str = ""
+) -> Tensor:
     """Reduce-scatter a full gradient and average it over the group: this rank's padded part,
     flat, `shard_numel` elements (gather_param's backward cuts it to the local chunk)."""
     flat = pad_flat(grad.reshape(-1), shard_numel * group_size)
     out = flat.new_empty(shard_numel)
+    _check_eager("reduce_scatter", group_name, flat, fqn)
     with _explained("the eager reduce-scatter of a gradient", group_name):
         reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
     _record_eager("reduce_scatter", "backward", group_name, flat)
@@ -123,14 +123,15 @@ def reduce_grad(grad: Tensor, numel: int, shard_numel: int, group_size: int, gro
 
 
 @reduce_grad.register_fake
-def _(grad: Tensor, numel: int, shard_numel: int, group_size: int, group_name: str) -> Tensor:
+def _(grad, numel, shard_numel, group_size, group_name, *, fqn="") -> Tensor:
     return grad.new_empty(shard_numel)
 
 
 @torch.library.custom_op("zpp::all_reduce_grad", mutates_args=())
-def all_reduce_grad(grad: Tensor, group_size: int, group_name: str) -> Tensor:
+def all_reduce_grad(grad: Tensor, group_size: int, group_name: str, *, fqn: str = "") -> Tensor:
     """The gradient of a replicated parameter, averaged over the group (every rank gets it whole)."""
     out = grad.contiguous().clone()
+    _check_eager("all_reduce", group_name, out, fqn)
     with _explained("the eager all-reduce of a gradient", group_name):
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
     _record_eager("all_reduce", "backward", group_name, out)
@@ -138,7 +139,7 @@ def all_reduce_grad(grad: Tensor, group_size: int, group_name: str) -> Tensor:
 
 
 @all_reduce_grad.register_fake
-def _(grad: Tensor, group_size: int, group_name: str) -> Tensor:
+def _(grad, group_size, group_name, *, fqn="") -> Tensor:
     return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
@@ -154,8 +155,9 @@ def _(x: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _eager_all_gather(shard: Tensor, group_size: int, group_name: str) -> Tensor:
+def _eager_all_gather(shard: Tensor, group_size: int, group_name: str, fqn: str) -> Tensor:
     out = shard.new_empty(shard.numel() * group_size)
+    _check_eager("all_gather", group_name, shard, fqn)
     with _explained("the eager all-gather of a parameter", group_name):
         all_gather_single(out, shard.contiguous(), group=_resolve_process_group(group_name))
     _record_eager("all_gather", "forward", group_name, shard)
@@ -164,6 +166,14 @@ def _eager_all_gather(shard: Tensor, group_size: int, group_name: str) -> Tensor
 
 def _explained(where: str, group_name: str):
     return explained_collective_failures(where, group_timeout_s(group_name))
+
+
+def _check_eager(op: str, group_name: str, payload: Tensor, fqn: str) -> None:
+    """The schedule check of one eager collective (a no-op outside the checked runs)."""
+    entry = schedule_check.ScheduledCollective(
+        op, len(comm.group_ranks(group_name)), str(payload.dtype).removeprefix("torch."), payload.numel(), (fqn,)
+    )
+    schedule_check.maybe_check(schedule_check.Schedule("eager", (entry,)), group_name, payload.device)
 
 
 def pad_flat(flat: Tensor, target_numel: int) -> Tensor:
@@ -176,13 +186,14 @@ def _setup_gather_context(ctx, inputs, keyword_only_inputs, output) -> None:
     local, ctx.numel, _, ctx.shard_numel, ctx.group_size, ctx.group_name = inputs
     ctx.local_shape = local.shape
     ctx.reduce_dtype = keyword_only_inputs.get("reduce_dtype")
+    ctx.fqn = keyword_only_inputs.get("fqn", "")
 
 
 def _gather_backward(ctx, grad: Tensor):
     # A gradient returned in another dtype than the part's is cast to it by autograd: after the
     # reduce-scatter, so the reduction itself runs in reduce_dtype.
     grad = grad.to(ctx.reduce_dtype or grad.dtype).contiguous()
-    padded = torch.ops.zpp.reduce_grad(grad, ctx.numel, ctx.shard_numel, ctx.group_size, ctx.group_name)
+    padded = torch.ops.zpp.reduce_grad(grad, ctx.numel, ctx.shard_numel, ctx.group_size, ctx.group_name, fqn=ctx.fqn)
     local_grad = padded[: math.prod(ctx.local_shape)].view(ctx.local_shape)
     return local_grad, None, None, None, None, None
 
@@ -193,11 +204,12 @@ gather_param.register_autograd(_gather_backward, setup_context=_setup_gather_con
 def _setup_replicated_context(ctx, inputs, keyword_only_inputs, output) -> None:
     _, ctx.group_size, ctx.group_name = inputs
     ctx.reduce_dtype = keyword_only_inputs.get("reduce_dtype")
+    ctx.fqn = keyword_only_inputs.get("fqn", "")
 
 
 def _replicated_backward(ctx, grad: Tensor):
     grad = grad.to(ctx.reduce_dtype or grad.dtype)
-    return torch.ops.zpp.all_reduce_grad(grad, ctx.group_size, ctx.group_name), None, None
+    return torch.ops.zpp.all_reduce_grad(grad, ctx.group_size, ctx.group_name, fqn=ctx.fqn), None, None
 
 
 replicated_param.register_autograd(_replicated_backward, setup_context=_setup_replicated_context)

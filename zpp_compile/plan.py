@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 
 from .comm import Collective, Phase, group_ranks
+from .schedule_check import ScheduledCollective
 from .topology import Topology
 
 _c10d = torch.ops._c10d_functional
@@ -44,6 +45,41 @@ def collectives_in(gm: fx.GraphModule, phase: Phase, label: str) -> list[Collect
             )
         )
     return found
+
+
+_zpp = torch.ops.zpp
+# Marker -> (name in schedules, index of its element count argument or None for arg 0's numel).
+_MARKERS = {
+    _zpp.gather_param.default: ("gather", 1),
+    _zpp.gather_quantized_param.default: ("gather_int8", 1),
+    _zpp.replicated_param.default: ("replicated", None),
+    _zpp.reduce_grad.default: ("reduce", 1),
+    _zpp.all_reduce_grad.default: ("all_reduce", None),
+}
+
+
+def marker_schedule(gm: fx.GraphModule) -> list[ScheduledCollective]:
+    """The parameters a graph gathers and reduces, in graph order, by name: read off the markers
+    before they are lowered (afterwards collectives carry buckets, not parameters)."""
+    entries = []
+    for node in gm.graph.nodes:
+        kind = _MARKERS.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        name, numel_arg = kind
+        value = node.args[0].meta["val"]
+        numel = node.args[numel_arg] if numel_arg is not None else value.numel()
+        dtype = str(node.kwargs.get("dtype") or value.dtype).removeprefix("torch.")
+        group_size = len(group_ranks(node.args[-1]))
+        entries.append(ScheduledCollective(name, group_size, dtype, numel, (node.kwargs.get("fqn", ""),)))
+    return entries
+
+
+def as_scheduled(collective: Collective) -> ScheduledCollective:
+    """A collective of a final graph as the schedule check compares it."""
+    return ScheduledCollective(
+        collective.op, len(collective.group_ranks), str(collective.dtype).removeprefix("torch."), collective.input_numel
+    )
 
 
 def peak_collective_bytes(gm: fx.GraphModule) -> int:

@@ -1,65 +1,134 @@
-"""Debug mode (Config.check_schedule / ZPP_CHECK_SCHEDULE=1): compare collective schedules across ranks.
+"""The schedule check: every rank must issue the same collectives, of the same parameters, in order.
 
-Every rank must issue the same collectives in the same order; if one rank's graph differs (another
-Config, a graph break on one rank only, a data-dependent branch), the collectives pair up wrongly
-and training hangs or silently mixes tensors. Before a compiled graph first runs, each rank sends
-the fingerprint of its schedule (op, group, dtype, element count of each collective) to all others;
-a difference raises ScheduleMismatchError on every rank, naming the first differing collective. A
-rank that never arrives is reported by gloo's monitored_barrier after CHECK_TIMEOUT instead.
+If one rank's graph differs (a rank-dependent branch, a graph break on one rank only), collectives
+pair up wrongly: they hang, abort on a size mismatch, or, worst, silently mix two parameters of
+the same shape. Config.check_schedule compares, before each checked compiled-graph run and each
+checked eager collective, a digest of what it is about to issue: its collectives (op, group,
+dtype, size) and the parameters they carry, by name. A difference raises ScheduleMismatchError
+on every rank, naming the first differing collective and its parameter.
+
+The digest travels in a small all-gather that *every* checked run issues, whichever graph it is:
+a rank that recompiled (an uneven last batch) runs another graph than its peers but issues the
+same collectives, and its digest all-gather pairs with theirs. (A separate barrier before a
+graph's first run, as before, paired with a peer's data collective instead and hung.) Ranks count
+checked runs alike, so they agree on which runs carry a digest: Config.check_schedule=N checks the
+first N runs of the process (the default, cheap), True every run (debug), False none.
 """
 
 from __future__ import annotations
 
-import datetime
+import dataclasses
+import hashlib
 from typing import Optional, Sequence
 
+import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
-from .comm import Collective
-
-CHECK_TIMEOUT = datetime.timedelta(seconds=300)  # covers a slower rank still compiling its graph
-
-Fingerprint = tuple[str, tuple[int, ...], str, int]
+from .compat import all_gather_single
 
 
 class ScheduleMismatchError(RuntimeError):
     pass
 
 
-def fingerprint(collectives: Sequence[Collective]) -> list[Fingerprint]:
-    return [(c.op, c.group_ranks, str(c.dtype).removeprefix("torch."), c.input_numel) for c in collectives]
+@dataclasses.dataclass(frozen=True)
+class ScheduledCollective:
+    """One entry of a schedule: a collective and the parameter(s) it carries ("" when unknown).
+
+    The group is described by its size: subgroups (hpZ, node, cross-node) hold other ranks on
+    every rank but play the same part."""
+
+    op: str
+    group_size: int
+    dtype: str
+    numel: int
+    params: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        what = f" of {', '.join(repr(p) for p in self.params)}" if self.params else ""
+        return f"{self.op}{what} ({self.numel} {self.dtype}, group of {self.group_size} ranks)"
 
 
-def check_schedule(collectives: Sequence[Collective], label: str) -> None:
-    """Raise ScheduleMismatchError unless every rank's graph issues these same collectives (collective)."""
-    if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=CHECK_TIMEOUT, wait_all_ranks=True)
-    schedules: list = [None] * dist.get_world_size()
-    dist.all_gather_object(schedules, (label, fingerprint(collectives)))
-    message = describe_mismatch(schedules)
-    if message:
-        raise ScheduleMismatchError(message)
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What one compiled graph run (or one eager collective) issues, as every rank must agree on."""
+
+    label: str
+    entries: tuple[ScheduledCollective, ...]
+
+    @property
+    def digest(self) -> tuple[int, int]:
+        raw = hashlib.sha256(repr(self.entries).encode()).digest()
+        return int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:16], "little", signed=True)
 
 
-def describe_mismatch(schedules: list[tuple[str, list[Fingerprint]]]) -> Optional[str]:
+class _CheckedRuns:
+    """How many runs this process checked, and how many it checks (None: every run)."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.limit: Optional[int] = 0
+
+    def configure(self, setting: "bool | int") -> None:
+        """Take the most checking any sharded model of the process asked for."""
+        if setting is True or self.limit is None:
+            self.limit = None
+        else:
+            self.limit = max(self.limit, int(setting))
+
+    def take(self) -> bool:
+        """Whether the next run is checked (counted alike on every rank)."""
+        if self.limit is not None and self.done >= self.limit:
+            return False
+        self.done += 1
+        return True
+
+    def reset(self) -> None:
+        self.done, self.limit = 0, 0
+
+
+CHECKED_RUNS = _CheckedRuns()
+
+
+def maybe_check(schedule: Schedule, group_name: str, device: torch.device) -> None:
+    """Check `schedule` against every rank's if this run is one of the checked ones (collective)."""
+    if CHECKED_RUNS.take():
+        check(schedule, group_name, device)
+
+
+def check(schedule: Schedule, group_name: str, device: torch.device) -> None:
+    """Raise ScheduleMismatchError on every rank unless every rank is about to issue `schedule`."""
+    group = _resolve_process_group(group_name)
+    world = dist.get_world_size(group)
+    mine = torch.tensor(schedule.digest, dtype=torch.int64, device=device)
+    everyone = torch.empty(2 * world, dtype=torch.int64, device=device)
+    all_gather_single(everyone, mine, group=group)
+    if bool((everyone.view(world, 2) == mine).all()):
+        return
+    schedules: list = [None] * world
+    dist.all_gather_object(schedules, schedule, group=group)  # every rank saw the difference
+    raise ScheduleMismatchError(describe_mismatch(schedules) or "collective schedules differ between ranks")
+
+
+def describe_mismatch(schedules: Sequence[Schedule]) -> Optional[str]:
     """None when all ranks' schedules agree; else which rank differs from rank 0, and where first."""
-    label0, reference = schedules[0]
-    for rank, (label, schedule) in enumerate(schedules[1:], start=1):
-        if schedule == reference:
+    reference = schedules[0]
+    for rank, theirs in enumerate(schedules[1:], start=1):
+        if theirs.entries == reference.entries:
             continue
-        index = next((i for i, (a, b) in enumerate(zip(reference, schedule)) if a != b), min(len(reference), len(schedule)))
+        ours, other = reference.entries, theirs.entries
+        index = next((i for i, (a, b) in enumerate(zip(ours, other)) if a != b), min(len(ours), len(other)))
         return (
-            f"collective schedules differ between ranks: collective #{index} is "
-            f"{_describe(reference, index)} on rank 0 ({label0}) but {_describe(schedule, index)} on rank {rank} "
-            f"({label}); rank 0 issues {len(reference)} collectives in this graph, rank {rank} {len(schedule)}. "
-            "Every rank must compile the same graph: use the same Config and model on every rank, and "
-            "avoid rank-dependent control flow or graph breaks inside the compiled model."
+            f"collective schedules differ between ranks: collective #{index} is {_describe(ours, index)} on "
+            f"rank 0 ({reference.label}) but {_describe(other, index)} on rank {rank} ({theirs.label}); rank 0 "
+            f"issues {len(ours)} collectives here, rank {rank} {len(other)}. Every rank must gather the "
+            "same parameters in the same order: avoid rank-dependent control flow (a branch on data "
+            "that differs between ranks choosing which layers run) and graph breaks on one rank only "
+            "inside the model."
         )
     return None
 
 
-def _describe(schedule: list[Fingerprint], index: int) -> str:
-    if index >= len(schedule):
-        return "absent (the graph has ended)"
-    op, ranks, dtype, numel = schedule[index]
-    return f"{op} of {numel} {dtype} over ranks {list(ranks)}"
+def _describe(entries: Sequence[ScheduledCollective], index: int) -> str:
+    return entries[index].describe() if index < len(entries) else "absent (the graph has ended)"

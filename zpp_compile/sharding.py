@@ -17,6 +17,7 @@ Reading `module.weight` goes through a property on a per-class subclass of the m
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_map
 
-from . import dtensor_ops
+from . import dtensor_ops, schedule_check
 from .agreement import agree_on_model
 from .codegen.quantize import quantize_packed
 from .config import Config
@@ -75,8 +76,9 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
         specs={},
         mesh=dtensor_ops.world_mesh(topology.world_group_name, device.type),
         cost_model=build_cost_model(config, device=device) if config.prefetch_limit else None,
+        plan_id=next(_PLAN_IDS),
     )
-    plan_id = next(_PLAN_IDS)
+    plan_id = state.plan_id
     shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its DTensor, so tied weights stay tied
     for module_name, module in model.named_modules():  # a module reused twice is sharded once
         names = [n for n, p in module._parameters.items() if p is not None]
@@ -91,10 +93,12 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
             _route_reads_through_gather(module, names)
             _track_forward(module)
     _track_forward(model)
+    _warn_on_block_padding(state)
     model.register_forward_pre_hook(_refuse_unsharded_parameters)
     if config.param_dtype is not None:
         model.register_forward_pre_hook(_inputs_caster(config.param_dtype), with_kwargs=True)
     model._zpp_state = state
+    schedule_check.CHECKED_RUNS.configure(config.checked_runs)
     _refuse_data_parallel_wrapping(model)
     _gather_on_save_pretrained(model)
     _tell_hugging_face_trainer(model)
@@ -112,6 +116,28 @@ def _place(module: nn.Module, name: str, param: nn.Parameter) -> None:
     payload = getattr(param, "_zpp_payload", None)
     if payload is not None:
         module.register_buffer(name + PAYLOAD_SUFFIX, payload, persistent=False)
+
+
+# A block size that pads the model's shards to this many times their size is worth a warning.
+BLOCK_PADDING_WARNING = 1.5
+
+
+def _warn_on_block_padding(state: ShardedState) -> None:
+    """Quantization blocks never straddle two parameters: each shard is padded to whole blocks.
+    Blocks much larger than the shards multiply the bytes on the wire (and the kernels' work)."""
+    config = state.config
+    sharded = [s for s in state.specs.values() if not s.replicated]
+    for name, enabled in (("weight_block_size", config.quantize_weights), ("gradient_block_size", config.quantize_gradients)):
+        block = getattr(config, name)
+        elements = sum(s.shard_numel for s in sharded)
+        padded = sum(-(-s.shard_numel // block) * block for s in sharded)
+        if enabled and elements and padded > BLOCK_PADDING_WARNING * elements:
+            warnings.warn(
+                f"Config.{name}={block} pads this model's shards from {elements} to {padded} elements per "
+                f"rank ({padded / elements:.1f}x the bytes and work): its shards are small against the block. "
+                "Use a smaller block (the default), or leave quantization off for a model this small.",
+                stacklevel=3,
+            )
 
 
 def _inputs_caster(dtype: torch.dtype):
@@ -226,14 +252,15 @@ def gather_full(param: Tensor, *, payload: Optional[Tensor] = None, in_compute_d
             compute_dtype or spec.dtype,
             spec.group_size,
             spec.group_name,
+            fqn=spec.fqn,
         )
-    dtypes = {"dtype": compute_dtype, "reduce_dtype": spec.reduce_dtype if in_compute_dtype else None}
-    dtypes = {k: v for k, v in dtypes.items() if v is not None}
+    kwargs = {"dtype": compute_dtype, "reduce_dtype": spec.reduce_dtype if in_compute_dtype else None}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None} | {"fqn": spec.fqn}
     local = param.to_local()
     if spec.replicated:
-        return torch.ops.zpp.replicated_param(local, spec.group_size, spec.group_name, **dtypes)
+        return torch.ops.zpp.replicated_param(local, spec.group_size, spec.group_name, **kwargs)
     return torch.ops.zpp.gather_param(
-        local, spec.numel, list(spec.shape), spec.shard_numel, spec.group_size, spec.group_name, **dtypes
+        local, spec.numel, list(spec.shape), spec.shard_numel, spec.group_size, spec.group_name, **kwargs
     )
 
 

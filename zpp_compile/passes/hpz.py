@@ -11,7 +11,7 @@ Before (forward saves the primary shard; the backward re-gathers over the whole 
 After, full-precision secondary (qwZ off):
     fw:  w = zpp.gather_param(shard, ...); sec = owned_copy(pad(w.view(-1))[k*W*S/K : (k+1)*W*S/K])
          return (out, ..., sec)
-    bw:  sec (input) -> w = zpp.gather_param(sec, numel, shape, W*S/K, K, hpz_group)
+    bw:  sec (input) -> w = zpp.gather_param(sec, numel, shape, W*S/K, K, hpz_group, fqn=...)
     (Under mixed precision w, and so sec, are in param_dtype: the backward gather needs no cast.)
 
 After, int8 secondary (qwZ on, or a frozen weight stored int8; Config.hpz_quantized_secondary):
@@ -125,6 +125,7 @@ def _gather_secondary_in_backward(saved: fx.Node, secondary: fx.Node, backward_g
     saved.meta.pop("tensor_meta", None)
     for marker in list(saved.users):
         with saved.graph.inserting_before(marker):
-            gather = saved.graph.call_function(target, (saved, *args))
+            # In the secondary's dtype already (param_dtype): no cast; the name stays for the check.
+            gather = saved.graph.call_function(target, (saved, *args), {"fqn": marker.kwargs.get("fqn", "")})
         gather.meta = dict(marker.meta)
         replace_node(marker, gather)

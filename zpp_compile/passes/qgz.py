@@ -74,7 +74,7 @@ def _rewrite_bucket(graph: fx.Graph, bucket: list[fx.Node], ctx: PassContext) ->
         topology=ctx.topology,
         block=ctx.config.gradient_block_size,
         kernels=quant_kernels(grads[0].meta["val"].device),
-        error_slots=(new_slot(), new_slot()) if ctx.config.qgz_error_feedback else None,
+        error_slots=(new_slot(ctx.plan_id), new_slot(ctx.plan_id)) if ctx.config.qgz_error_feedback else None,
     )
     with graph.inserting_before(bucket[-1]):
         shards = inline_traced(graph, fn, grads, ctx.decompositions)
