@@ -178,20 +178,21 @@ def main() -> None:
 
 
 def resume(model, opt, args: argparse.Namespace, gen: torch.Generator, data: torch.Tensor, log) -> int:
-    """With --resume, load the newest DIR/step_<N> (at any world size) and return N, else 0.
+    """With --resume, load the newest complete DIR/step_<N> (at any world size) and return N, else 0.
 
+    latest_checkpoint skips, with a warning, newer folders that a killed save left incomplete.
     The data stream continues where it stopped: this rank's generator replays N draws. (Ranks
     draw their own batches, so a run resumed at another world size sees other batches.)"""
-    complete = [f for f in Path(args.checkpoint_dir or ".").glob("step_*") if (f / ".metadata").exists()]
-    folders = sorted(complete, key=lambda f: int(f.name.split("_")[1]))  # DCP writes .metadata last
-    if not (args.resume and folders):
-        if args.resume:
-            log(f"--resume: no checkpoint in {args.checkpoint_dir}; starting from step 1")
+    if not args.resume:
         return 0
-    step = int(zpp_compile.load_checkpoint(folders[-1], model, opt)["step"])
+    folder = zpp_compile.latest_checkpoint(args.checkpoint_dir or ".")
+    if folder is None:
+        log(f"--resume: no complete checkpoint in {args.checkpoint_dir}; starting from step 1")
+        return 0
+    step = int(zpp_compile.load_checkpoint(folder, model, opt)["step"])
     for _ in range(step):
         sample_starts(data, args.batch_size, args.block_size, gen)
-    log(f"resumed from {folders[-1]} (step {step})")
+    log(f"resumed from {folder} (step {step})")
     return step
 
 

@@ -91,6 +91,52 @@ class ShortMLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
+class BreakInBlocksGPT(GPT):
+    """The tiny GPT with a graph break inside its loop over blocks (between attention and MLP)."""
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = x + block.attn(block.ln_1(x))
+            torch._dynamo.graph_break()
+            x = x + block.fc_proj(F.gelu(block.fc(block.ln_2(x))))
+        logits = self.lm_head(self.ln_f(x))  # lm_head.weight is tied to wte.weight, read in graph 1
+        print(end="")  # a graph break in the loss as well
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class BreakAroundReadMLP(OddMLP):
+    """A weight read before a graph break and used after it: the gathered weight leaves the first
+    graph as an output; the frozen layer is read across the break too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, frozen_w = self.fc1.weight, self.frozen.weight
+        torch._dynamo.graph_break()
+        h = F.gelu(F.linear(x, w, self.fc1.bias))
+        h = h + torch.tanh(F.linear(h, frozen_w, self.frozen.bias))
+        return self.fc2(h) * self.scale + self.shift
+
+
+class RandomOpsMLP(nn.Module):
+    """Every random op a model may use, in forward: dropout, rand, randn, bernoulli, randint,
+    randperm. A keyword-only forward, and a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(13, 29)
+        self.fc2 = nn.Linear(29, 7)
+        self.drop = nn.Dropout(0.3)
+        self.register_buffer("noise_scale", torch.tensor(0.05), persistent=False)
+
+    def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(F.gelu(self.fc1(x)))
+        h = h + (torch.rand_like(h) + torch.randn(h.shape)) * self.noise_scale
+        h = h * torch.bernoulli(torch.full_like(h, 0.8))
+        h = h[:, torch.randperm(h.shape[-1])]
+        return self.fc2(h) + torch.randint(0, 3, (1,)).float()
+
+
 def hf_gpt2(dropout: float = 0.0) -> nn.Module:
     """A tiny Hugging Face GPT-2 from a config (nothing downloaded); GPT-2's default dropout is 0.1."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -113,8 +159,8 @@ def hf_llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-HF_MODELS = ("hf_gpt2", "hf_llama")
-TOKEN_MODELS = ("gpt", *HF_MODELS)
+HF_MODELS = ("hf_gpt2", "hf_llama")  # without dropout: they train like their unsharded copies
+TOKEN_MODELS = ("gpt", "break_gpt", *HF_MODELS, "hf_gpt2_dropout")
 
 
 def build(name: str) -> nn.Module:
@@ -125,7 +171,11 @@ def build(name: str) -> nn.Module:
         "ckpt_mlp": CheckpointedMLP,
         "no_grad_mlp": NoGradNormMLP,
         "gpt": lambda: GPT(TINY_GPT),
+        "break_gpt": lambda: BreakInBlocksGPT(TINY_GPT),
+        "break_read_mlp": BreakAroundReadMLP,
+        "random_mlp": RandomOpsMLP,
         "hf_gpt2": hf_gpt2,
+        "hf_gpt2_dropout": lambda: hf_gpt2(dropout=0.1),
         "hf_llama": hf_llama,
     }
     return models[name]()
@@ -141,10 +191,12 @@ def batch(name: str, global_batch: int, step: int) -> tuple[torch.Tensor, torch.
 
 
 def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if name == "gpt":
+    if name in ("gpt", "break_gpt"):
         return model(x, y)
-    if name in HF_MODELS:  # Hugging Face shifts the labels itself
+    if name.startswith("hf_"):  # Hugging Face shifts the labels itself
         return model(input_ids=x, labels=x).loss
+    if name == "random_mlp":
+        return F.mse_loss(model(x=x), y)
     return F.mse_loss(model(x), y)
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import warnings
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import zpp_compile
@@ -146,35 +151,42 @@ def test_a_checkpoint_saved_at_one_world_size_loads_bitwise_at_another(pools, tm
         assert got["groups"] == saved["groups"]
 
 
-def resume_run(path: str, phase: str, config: dict) -> list[float]:
-    """Compiled GPT: "straight" trains 3 steps, saves, trains 3 more; "resumed" builds another
+def resume_run(path: str, phase: str, config: dict, name: str = "gpt") -> list[float]:
+    """Compiled model: "straight" trains 3 steps, saves, trains 3 more; "resumed" builds another
     model (other seed), loads the checkpoint and trains the same 3 steps."""
-    torch.manual_seed(0 if phase == "straight" else 7)
-    model = zpp_compile.shard(build("gpt"), _config(**config))
+    torch.manual_seed((0 if phase == "straight" else 7) + dist.get_rank())  # each rank its own stream
+    model = zpp_compile.shard(build(name), _config(**config))
     opt = _optimizer(model, lr=3e-3)
     compiled = torch.compile(model, backend="zeropp")
     if phase == "straight":
-        _train("gpt", compiled, opt, range(3))
+        _train(name, compiled, opt, range(3))
         zpp_compile.save_checkpoint(path, compiled, opt, extra={"step": 3})
     else:
         assert zpp_compile.load_checkpoint(path, compiled, opt) == {"step": 3}
-    losses = _train("gpt", compiled, opt, range(3, 6))
+    losses = _train(name, compiled, opt, range(3, 6))
     assert zpp_compile.compiled_graphs(), "the steps ran compiled"
     return losses
 
 
 # Full ZeRO++ under mixed precision: the checkpoint holds the fp32 masters, and qwZ, hpZ's
-# secondary shards and qgZ (without error feedback, whose state is not saved) are rebuilt from them.
+# secondary shards and qgZ are rebuilt from them; with error feedback, its state is saved per rank.
 ZERO_PP_BF16 = dict(
     param_dtype=torch.bfloat16, quantize_weights=True, hpz_size=2, quantize_gradients=True, ranks_per_node=2
 )
+RESUMED_RUNS = {
+    "zero3": (2, {}, "gpt"),
+    "zeropp_bf16": (4, ZERO_PP_BF16, "gpt"),
+    "qgz_error_feedback": (4, dict(quantize_gradients=True, qgz_error_feedback=True, ranks_per_node=2), "gpt"),
+    "dropout": (2, {}, "hf_gpt2_dropout"),  # the RNG states come back: the same masks
+}
 
 
-@pytest.mark.parametrize("world, config", [(2, {}), (4, ZERO_PP_BF16)], ids=["zero3", "zeropp_bf16"])
-def test_resuming_from_a_checkpoint_continues_the_loss_curve_exactly(pools, tmp_path, world, config):
+@pytest.mark.parametrize("case", RESUMED_RUNS)
+def test_resuming_from_a_checkpoint_continues_the_loss_curve_exactly(pools, tmp_path, case):
+    world, config, name = RESUMED_RUNS[case]
     path = str(tmp_path / "ckpt")
-    straight = pools(world).run(resume_run, path, "straight", config)
-    resumed = pools(world).run(resume_run, path, "resumed", config)
+    straight = pools(world).run(resume_run, path, "straight", config, name)
+    resumed = pools(world).run(resume_run, path, "resumed", config, name)
     assert resumed == straight  # bitwise: python floats of the float32 losses, every rank
 
 
@@ -344,3 +356,231 @@ def test_a_checkpoint_of_the_flat_shard_format_still_loads_bitwise(pools, world)
         _assert_bitwise(expected["params"], got["params"], f"rank {rank} params")
         _assert_bitwise(expected["optim"], got["optim"], f"rank {rank} optimizer state")
         assert got["groups"] == expected["groups"] and got["extra"] == {"step": 2}
+
+
+class _CrashOnPickle:
+    """An `extra` value whose pickling raises: the save dies while its files are being written."""
+
+    def __reduce__(self):
+        raise RuntimeError("simulated crash in the middle of writing a checkpoint")
+
+
+def save_then_crash_overwriting(path: str) -> dict:
+    """Save step 2 to `path`, train 2 more steps, then die while overwriting `path`."""
+    torch.manual_seed(0)
+    model = zpp_compile.shard(build("mlp"), _config())
+    opt = _optimizer(model)
+    _train("mlp", model, opt, range(2))
+    zpp_compile.save_checkpoint(path, model, opt, extra={"step": 2})
+    saved = _report(model, opt)
+    _train("mlp", model, opt, range(2, 4))
+    try:
+        zpp_compile.save_checkpoint(path, model, opt, extra={"step": 4, "crash": _CrashOnPickle()})
+    except CheckpointException as err:  # raised by DCP on every rank (a BaseException)
+        crashed = "simulated crash" in str(err)
+    else:
+        crashed = False
+    try:  # the folder above a checkpoint is not a checkpoint folder: a save must not replace it
+        zpp_compile.save_checkpoint(str(Path(path).parent), model, opt)
+        refusal = "no error"
+    except FileExistsError as err:
+        refusal = str(err)
+    return saved | {"crashed": crashed, "refusal": refusal}
+
+
+def load_mlp(path: str) -> dict:
+    torch.manual_seed(1)
+    model = zpp_compile.shard(build("mlp"), _config())
+    opt = _optimizer(model, lr=0.5, weight_decay=0.0)
+    extra = zpp_compile.load_checkpoint(path, model, opt)
+    return _report(model, opt) | {"extra": extra}
+
+
+def test_a_save_that_dies_part_way_leaves_the_previous_checkpoint_intact(pools, tmp_path):
+    # Saves are atomic: written into a temporary sibling folder, swapped in once complete.
+    # Before, the crash left the old .metadata beside truncated data files (EOFError on load).
+    path = str(tmp_path / "step_2")
+    saved = pools(2).run(save_then_crash_overwriting, path)[0]
+    assert saved["crashed"]
+    for rank, got in enumerate(pools(2).run(load_mlp, path)):
+        _assert_bitwise(saved["params"], got["params"], f"rank {rank} params")
+        _assert_bitwise(saved["optim"], got["optim"], f"rank {rank} optimizer state")
+        assert got["extra"] == {"step": 2}
+    marker = json.loads((tmp_path / "step_2" / zpp_compile.checkpoint.MARKER_NAME).read_text())
+    assert marker["world_size"] == 2 and marker["optimizer"] == "torch.optim.adamw.AdamW"
+    assert [f.name for f in tmp_path.iterdir() if f.name.startswith("step_2.partial-")]  # what the crash left
+    assert "besides checkpoint files" in saved["refusal"] and "step_2" in saved["refusal"]
+
+
+def load_error(path: str, verify: Optional[bool] = None) -> str:
+    torch.manual_seed(1)
+    model = zpp_compile.shard(build("mlp"), _config())
+    return _error_of(lambda: zpp_compile.load_checkpoint(path, model, _optimizer(model), verify=verify))
+
+
+def _error_of(load: Callable[[], object]) -> str:
+    """The message of the CheckpointMismatchError that load() raises, or "no error"."""
+    try:
+        load()
+    except zpp_compile.CheckpointMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+def test_latest_checkpoint_skips_newer_incomplete_folders_with_a_warning(pools, tmp_path):
+    step_2 = tmp_path / "step_2"
+    pools(2).run(train_and_save, "mlp", str(step_2), 2)
+    # What a killed in-place save over step_4 left (zpp_compile 0.1): the previous .metadata
+    # beside half-rewritten data files.
+    step_4 = tmp_path / "step_4"
+    step_4.mkdir()
+    shutil.copy(step_2 / ".metadata", step_4)
+    for data in step_2.glob("*.distcp"):
+        (step_4 / data.name).write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    # What a save of step 6 killed before its completion marker leaves: its temporary folder.
+    partial = tmp_path / "step_6.partial-0123abcd"
+    shutil.copytree(step_2, partial)
+    (partial / zpp_compile.checkpoint.MARKER_NAME).unlink()
+    (tmp_path / "step_notes").mkdir()  # not <prefix><N>: ignored
+
+    with pytest.warns(UserWarning) as caught:
+        assert zpp_compile.latest_checkpoint(tmp_path) == step_2
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert "step_6.partial-0123abcd" in messages[0] and "did not finish" in messages[0]
+    assert "step_4'" in messages[1] and "__0_0.distcp has" in messages[1]
+    assert zpp_compile.latest_checkpoint(tmp_path / "nothing_here") is None
+
+    for message in pools(2).run(load_error, str(step_4)):
+        assert f"checkpoint {str(step_4)!r} is incomplete" in message, message
+    # A folder written by zpp_compile 0.1 has no marker and still loads (legacy-complete):
+    # test_a_checkpoint_of_the_flat_shard_format_still_loads_bitwise.
+
+
+def save_with_and_without_checksums(with_checksums: str, without: str) -> dict:
+    torch.manual_seed(0)
+    model = zpp_compile.shard(build("mlp"), _config())
+    opt = _optimizer(model)
+    _train("mlp", model, opt, range(2))
+    zpp_compile.save_checkpoint(with_checksums, model, opt, checksums=True)
+    zpp_compile.save_checkpoint(without, model, opt)
+    return zpp_compile.full_state_dict(model)
+
+
+def load_mlp_params(path: str) -> dict:
+    return load_mlp(path)["params"]
+
+
+def _flip_bytes_of_a_weight(folder: Path, data_file: str) -> None:
+    """Corrupt the middle of the largest model tensor stored in `data_file` (a bit rot DCP cannot see)."""
+    storage = FileSystemReader(folder).read_metadata().storage_data
+    length, offset = max(
+        (info.length, info.offset)
+        for index, info in storage.items()
+        if info.relative_path == data_file and index.fqn.startswith("model.")
+    )
+    raw = bytearray((folder / data_file).read_bytes())
+    for at in range(offset + length // 2, offset + length // 2 + 8):
+        raw[at] ^= 0xFF
+    (folder / data_file).write_bytes(bytes(raw))
+
+
+def test_checksums_name_a_corrupted_data_file_on_every_rank(pools, tmp_path):
+    checked, unchecked = tmp_path / "checked", tmp_path / "unchecked"
+    saved = pools(2).run(save_with_and_without_checksums, str(checked), str(unchecked))[0]
+    marker = json.loads((checked / zpp_compile.checkpoint.MARKER_NAME).read_text())
+    assert sorted(marker["checksums"]) == ["__0_0.distcp", "__1_0.distcp"]
+    for folder in (checked, unchecked):
+        _flip_bytes_of_a_weight(folder, "__1_0.distcp")
+
+    # Rank 1 hashes __1_0.distcp (file 1 % 2); rank 0 learns it from rank 1 and raises the same.
+    for message in pools(2).run(load_error, str(checked)):
+        assert "is corrupted" in message and "__1_0.distcp: sha256" in message, message
+        assert "__0_0.distcp" not in message
+    # Without checksums the same corruption loads without an error, as wrong weights.
+    loaded = pools(2).run(load_mlp_params, str(unchecked))[0]
+    assert any(not torch.equal(saved[k], loaded[k]) for k in saved)
+    for message in pools(2).run(load_error, str(unchecked), True):
+        assert "holds no checksums" in message, message
+
+
+class DropoutMLP(nn.Module):
+    """Draws random numbers in forward (dropout), differently on each rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(13, 32)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(32, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def dropout_resume_run(path: str, phase: str) -> dict:
+    """Eager sharded DropoutMLP (the MLP's batches and loss): "straight" trains 3 steps, saves and
+    trains 3 more; "resumed" loads into a model with other RNG states and trains the same 3."""
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = zpp_compile.shard(DropoutMLP(), _config())
+    opt = _optimizer(model)
+    torch.manual_seed(100 + dist.get_rank() if phase == "straight" else 7)  # per-rank dropout streams
+    if phase == "straight":
+        _train("mlp", model, opt, range(3))
+        zpp_compile.save_checkpoint(path, model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if phase != "straight":
+            zpp_compile.load_checkpoint(path, model, opt)
+    rng = torch.get_rng_state()
+    losses = _train("mlp", model, opt, range(3, 6))
+    return {"losses": losses, "rng": rng, "warnings": [str(w.message) for w in caught]}
+
+
+def test_rng_states_resume_dropout_exactly_at_the_same_world_size(pools, tmp_path):
+    path = str(tmp_path / "ckpt")
+    straight = pools(2).run(dropout_resume_run, path, "straight")
+    resumed = pools(2).run(dropout_resume_run, path, "resumed")
+    assert not torch.equal(straight[0]["rng"], straight[1]["rng"])  # each rank restores its own stream
+    for rank in range(2):
+        assert torch.equal(resumed[rank]["rng"], straight[rank]["rng"])
+        assert resumed[rank]["losses"] == straight[rank]["losses"]  # bitwise
+        assert resumed[rank]["warnings"] == []
+    # At another world size the streams cannot be resharded: one warning, the rest loads.
+    for got in pools(4).run(dropout_resume_run, path, "resumed_at_world_4"):
+        assert len(got["warnings"]) == 1 and "RNG states not restored" in got["warnings"][0]
+        assert "saved at world size 2, and this is 4" in got["warnings"][0]
+
+
+def load_into_another_optimizer(path: str, name: str, save_first: bool) -> dict[str, str]:
+    """The errors of loading AdamW state into an Adam and an SGD optimizer: from a checkpoint (saved
+    here first, or one of 0.1) and with load_optimizer_state_dict."""
+    torch.manual_seed(0)
+    model = zpp_compile.shard(build(name), _config())
+    adamw = _optimizer(model)
+    _train(name, model, adamw, range(1))
+    if save_first:
+        zpp_compile.save_checkpoint(path, model, adamw)
+    params = [p for p in model.parameters() if p.requires_grad]
+    adam, sgd = torch.optim.Adam(params), torch.optim.SGD(params, lr=0.1)
+    state_dict = zpp_compile.optimizer_state_dict(model, adamw)
+    return {
+        "checkpoint into Adam": _error_of(lambda: zpp_compile.load_checkpoint(path, model, adam)),
+        "checkpoint into SGD": _error_of(lambda: zpp_compile.load_checkpoint(path, model, sgd)),
+        "state dict into SGD": _error_of(lambda: zpp_compile.load_optimizer_state_dict(model, sgd, state_dict)),
+    }
+
+
+def test_optimizer_state_of_another_optimizer_class_is_refused(pools, tmp_path):
+    got = pools(2).run(load_into_another_optimizer, str(tmp_path / "ckpt"), "mlp", True)[0]
+    # Adam has AdamW's hyper-parameter keys: only the class the checkpoint records tells them apart.
+    assert "holds the state of a torch.optim.adamw.AdamW optimizer, not of a torch.optim.adam.Adam" in got[
+        "checkpoint into Adam"
+    ], got
+    assert "AdamW optimizer, not of a torch.optim.sgd.SGD" in got["checkpoint into SGD"], got
+    from_state_dict = got["state dict into SGD"]
+    assert "param group 0 of the state dict has the hyper-parameters ['amsgrad', 'betas'," in from_state_dict, got
+    assert "the SGD optimizer's have ['dampening', 'differentiable'" in from_state_dict, got
+    # A checkpoint of zpp_compile 0.1 records no class: its hyper-parameter keys tell.
+    legacy = pools(2).run(load_into_another_optimizer, str(V0_CHECKPOINT), "gpt", False)[0]["checkpoint into SGD"]
+    assert f"param group 0 of checkpoint {str(V0_CHECKPOINT)!r}" in legacy and "'betas'" in legacy, legacy
+    assert "only in the optimizer: ['dampening', 'momentum', 'nesterov']" in legacy, legacy

@@ -15,6 +15,7 @@ from .backend import (
 )
 from .checkpoint import (
     CheckpointMismatchError,
+    latest_checkpoint,
     load_checkpoint,
     load_optimizer_state_dict,
     optimizer_state_dict,
@@ -56,6 +57,7 @@ __all__ = [
     "full_state_dict",
     "get_total_norm",
     "is_sharded",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_optimizer_state_dict",
     "optimizer_state_dict",

@@ -29,7 +29,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from . import comm, passes
 from .faults import explained_collective_failures
 from .plan import as_scheduled, collectives_in, marker_schedule
-from .schedule_check import Schedule, maybe_check
+from .schedule_check import CHECKED_RUNS, Schedule, current_parameter_names, maybe_check, parameter_names
 from .layout import ShardedState, shard_spec, state_of_shard
 from .topology import require_initialized
 
@@ -93,13 +93,28 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
     _RECORDS[ctx.graph_id] = GraphRecord(ctx.graph_id)
     gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
     compile_graph = functools.partial(_compile_partitioned, use_inductor=use_inductor)
-    return aot_autograd(
+    compiled = aot_autograd(
         fw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("forward")),
         bw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("backward")),
         inference_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("inference")),
         partition_fn=functools.partial(_partition, ctx=ctx),
         decompositions=decompositions,
     )(gm, example_inputs)
+    return _naming_parameters(compiled, [i for i, v in enumerate(example_inputs) if shard_spec(v) is not None])
+
+
+def _naming_parameters(compiled: Callable, positions: list[int]) -> Callable:
+    """Each call tells the schedule check which parameters the graph runs on (while runs are
+    still checked): a graph Dynamo reuses for several modules runs on other ones each time."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any) -> Any:
+        if not CHECKED_RUNS.pending():
+            return compiled(*args)
+        with parameter_names({i: shard_spec(args[i]).fqn for i in positions}):
+            return compiled(*args)
+
+    return call
 
 
 def _report_recompile_storm(state: ShardedState) -> None:
@@ -156,6 +171,28 @@ def _sharded_state_of(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Opti
 
 
 def _partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: passes.PassContext, **kwargs: Any):
+    """Under Inductor, its own joint-graph passes run first (as torch.compile's default partition
+    does: pattern rewrites, and what random ops need), then ours and the partition."""
+    partition = functools.partial(_partition_sharded, ctx=ctx)
+    if ctx.config.lowering != "inductor":
+        return partition(joint_gm, joint_inputs, **kwargs)
+    from torch._inductor.compile_fx import partition_fn
+
+    with eager_random_ops():
+        return partition_fn(joint_gm, joint_inputs, partitioner_fn_override=partition, **kwargs)
+
+
+def eager_random_ops():
+    """Random ops in zeropp graphs draw from the default generator exactly as eager PyTorch does
+    (Inductor calls the ATen kernels instead of its own philox rewrite): a compiled step with
+    dropout consumes the RNG, and draws the masks, the eager sharded model would, so
+    torch.manual_seed makes runs repeatable and the eager path stays the compiled one's reference."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fallback_random=True)
+
+
+def _partition_sharded(joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: passes.PassContext, **kwargs: Any):
     joint_ctx = ctx.for_phase("joint")
     joint_passes = passes.JOINT_PASSES
     if ctx.config.save_gathered_weights:  # keep the gathered weights: no recompute tags
@@ -176,7 +213,7 @@ def _compile_partitioned(
     gm: fx.GraphModule, example_inputs: Sequence[Any], *, ctx: passes.PassContext, use_inductor: bool
 ) -> Callable:
     is_backward = ctx.phase == "backward"
-    markers = marker_schedule(gm)
+    markers = marker_schedule(gm, named=not is_backward)
     gm = passes.run_passes(gm, ctx, passes.BACKWARD_PASSES if is_backward else passes.FORWARD_PASSES)
     collectives = collectives_in(gm, "backward" if is_backward else "forward", ctx.label)
     schedule = Schedule(ctx.label, (*markers, *map(as_scheduled, collectives)))
@@ -186,9 +223,10 @@ def _compile_partitioned(
     if use_inductor:
         from torch._inductor.compile_fx import compile_fx_inner
 
-        compiled = compile_fx_inner(
-            gm, example_inputs, is_backward=is_backward, is_inference=ctx.phase == "inference", graph_id=ctx.graph_id
-        )
+        with eager_random_ops():
+            compiled = compile_fx_inner(
+                gm, example_inputs, is_backward=is_backward, is_inference=ctx.phase == "inference", graph_id=ctx.graph_id
+            )
     else:
         compiled = make_boxed_func(gm.forward)
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
@@ -207,11 +245,11 @@ def _counting(
     counter, topology = comm.comm_counter(), ctx.topology
 
     def run(args: list[Any]) -> Any:
-        if schedule.entries:
-            maybe_check(schedule, topology.world_group_name, device)
         with explained_collective_failures(
             f"compiled graph {ctx.graph_id} ({ctx.phase})", topology.collective_timeout_s
         ):
+            if schedule.entries:
+                maybe_check(schedule.named(current_parameter_names()), topology.world_group_name, device)
             out = compiled(args)
         counter.record(collectives, topology)
         return out
@@ -222,9 +260,12 @@ def _counting(
 
 @functools.cache
 def _inductor_decompositions() -> dict:
+    """Inductor's decompositions, without those of random ops (dropout, bernoulli): they would
+    draw with rand() what the eager kernels draw otherwise (see eager_random_ops)."""
     from torch._inductor.decomposition import select_decomp_table
 
-    return select_decomp_table()
+    with eager_random_ops():
+        return select_decomp_table()
 
 
 def register() -> None:

@@ -115,8 +115,8 @@ def reduce_grad(
     flat, `shard_numel` elements (gather_param's backward cuts it to the local chunk)."""
     flat = pad_flat(grad.reshape(-1), shard_numel * group_size)
     out = flat.new_empty(shard_numel)
-    _check_eager("reduce_scatter", group_name, flat, fqn)
     with _explained("the eager reduce-scatter of a gradient", group_name):
+        _check_eager("reduce_scatter", group_name, flat, fqn)
         reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
     _record_eager("reduce_scatter", "backward", group_name, flat)
     return out.div_(group_size)
@@ -131,8 +131,8 @@ def _(grad, numel, shard_numel, group_size, group_name, *, fqn="") -> Tensor:
 def all_reduce_grad(grad: Tensor, group_size: int, group_name: str, *, fqn: str = "") -> Tensor:
     """The gradient of a replicated parameter, averaged over the group (every rank gets it whole)."""
     out = grad.contiguous().clone()
-    _check_eager("all_reduce", group_name, out, fqn)
     with _explained("the eager all-reduce of a gradient", group_name):
+        _check_eager("all_reduce", group_name, out, fqn)
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
     _record_eager("all_reduce", "backward", group_name, out)
     return out.div_(group_size)
@@ -157,8 +157,8 @@ def _(x: Tensor) -> Tensor:
 
 def _eager_all_gather(shard: Tensor, group_size: int, group_name: str, fqn: str) -> Tensor:
     out = shard.new_empty(shard.numel() * group_size)
-    _check_eager("all_gather", group_name, shard, fqn)
     with _explained("the eager all-gather of a parameter", group_name):
+        _check_eager("all_gather", group_name, shard, fqn)
         all_gather_single(out, shard.contiguous(), group=_resolve_process_group(group_name))
     _record_eager("all_gather", "forward", group_name, shard)
     return out

@@ -10,7 +10,8 @@ import torch
 import torch.fx as fx
 
 from .comm import Collective, Phase, group_ranks
-from .schedule_check import ScheduledCollective
+from .passes.tag_parameter_inputs import PARAM_INPUT
+from .schedule_check import ScheduledCollective, input_placeholder
 from .topology import Topology
 
 _c10d = torch.ops._c10d_functional
@@ -58,9 +59,12 @@ _MARKERS = {
 }
 
 
-def marker_schedule(gm: fx.GraphModule) -> list[ScheduledCollective]:
-    """The parameters a graph gathers and reduces, in graph order, by name: read off the markers
-    before they are lowered (afterwards collectives carry buckets, not parameters)."""
+def marker_schedule(gm: fx.GraphModule, named: bool = True) -> list[ScheduledCollective]:
+    """The parameters a graph gathers and reduces, in graph order: read off the markers before
+    they are lowered (afterwards collectives carry buckets, not parameters). `named`: with the
+    parameters' graph input positions, named when the graph runs (forward and inference graphs:
+    a backward graph runs after its forward call, with nothing to name them by; it follows from
+    the forward, which the check already compared)."""
     entries = []
     for node in gm.graph.nodes:
         kind = _MARKERS.get(node.target) if node.op == "call_function" else None
@@ -71,8 +75,16 @@ def marker_schedule(gm: fx.GraphModule) -> list[ScheduledCollective]:
         numel = node.args[numel_arg] if numel_arg is not None else value.numel()
         dtype = str(node.kwargs.get("dtype") or value.dtype).removeprefix("torch.")
         group_size = len(group_ranks(node.args[-1]))
-        entries.append(ScheduledCollective(name, group_size, dtype, numel, (node.kwargs.get("fqn", ""),)))
+        params = (_parameter_of(node),) if named else ()
+        entries.append(ScheduledCollective(name, group_size, dtype, numel, params))
     return entries
+
+
+def _parameter_of(marker: fx.Node) -> str:
+    """The marker's parameter as the schedule check names it: a graph input position, resolved to
+    the name of the parameter passed there when the graph runs (tag_parameter_inputs)."""
+    position = marker.meta.get("custom", {}).get(PARAM_INPUT)
+    return input_placeholder(position) if position is not None else marker.kwargs.get("fqn", "")
 
 
 def as_scheduled(collective: Collective) -> ScheduledCollective:

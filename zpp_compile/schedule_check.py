@@ -17,6 +17,7 @@ first N runs of the process (the default, cheap), True every run (debug), False 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 from typing import Optional, Sequence
@@ -50,6 +51,14 @@ class ScheduledCollective:
         return f"{self.op}{what} ({self.numel} {self.dtype}, group of {self.group_size} ranks)"
 
 
+def input_placeholder(position: int) -> str:
+    """Stands for the parameter passed as graph input `position`, named when the graph runs."""
+    return f"{_INPUT_PREFIX}{position}"
+
+
+_INPUT_PREFIX = "<graph input>"
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """What one compiled graph run (or one eager collective) issues, as every rank must agree on."""
@@ -57,10 +66,40 @@ class Schedule:
     label: str
     entries: tuple[ScheduledCollective, ...]
 
+    def named(self, names: dict[int, str]) -> "Schedule":
+        """This schedule with graph-input placeholders replaced by the names of this call's parameters."""
+        if not names:
+            return self
+        return dataclasses.replace(self, entries=tuple(_named(e, names) for e in self.entries))
+
     @property
     def digest(self) -> tuple[int, int]:
         raw = hashlib.sha256(repr(self.entries).encode()).digest()
         return int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:16], "little", signed=True)
+
+
+def _named(entry: ScheduledCollective, names: dict[int, str]) -> ScheduledCollective:
+    params = tuple(
+        names.get(int(p[len(_INPUT_PREFIX) :]), p) if p.startswith(_INPUT_PREFIX) else p for p in entry.params
+    )
+    return dataclasses.replace(entry, params=params)
+
+
+_CALL_NAMES: list[dict[int, str]] = []  # the parameter names of the compiled calls running now
+
+
+@contextlib.contextmanager
+def parameter_names(names: dict[int, str]):
+    """While a compiled graph is called: the names of the parameters at its input positions."""
+    _CALL_NAMES.append(names)
+    try:
+        yield
+    finally:
+        _CALL_NAMES.pop()
+
+
+def current_parameter_names() -> dict[int, str]:
+    return _CALL_NAMES[-1] if _CALL_NAMES else {}
 
 
 class _CheckedRuns:
@@ -76,6 +115,10 @@ class _CheckedRuns:
             self.limit = None
         else:
             self.limit = max(self.limit, int(setting))
+
+    def pending(self) -> bool:
+        """Whether any run is still to be checked (so its parameters' names are worth looking up)."""
+        return self.limit is None or self.done < self.limit
 
     def take(self) -> bool:
         """Whether the next run is checked (counted alike on every rank)."""

@@ -16,6 +16,7 @@ Reading `module.weight` goes through a property on a per-class subclass of the m
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from typing import Iterator, Optional
@@ -89,10 +90,8 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
                 state.specs[spec.fqn] = spec
                 shards[id(full)] = _make_sharded_parameter(full, spec, state)
             _place(module, name, shards[id(full)])
-        if names:
+        if names or module is model:  # the root counts its forward even without parameters of its own
             _route_reads_through_gather(module, names)
-            _track_forward(module)
-    _track_forward(model)
     _warn_on_block_padding(state)
     model.register_forward_pre_hook(_refuse_unsharded_parameters)
     if config.param_dtype is not None:
@@ -252,16 +251,22 @@ def gather_full(param: Tensor, *, payload: Optional[Tensor] = None, in_compute_d
             compute_dtype or spec.dtype,
             spec.group_size,
             spec.group_name,
-            fqn=spec.fqn,
+            **_name_for_eager(spec),
         )
     kwargs = {"dtype": compute_dtype, "reduce_dtype": spec.reduce_dtype if in_compute_dtype else None}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None} | {"fqn": spec.fqn}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None} | _name_for_eager(spec)
     local = param.to_local()
     if spec.replicated:
         return torch.ops.zpp.replicated_param(local, spec.group_size, spec.group_name, **kwargs)
     return torch.ops.zpp.gather_param(
         local, spec.numel, list(spec.shape), spec.shard_numel, spec.group_size, spec.group_name, **kwargs
     )
+
+
+def _name_for_eager(spec: ShardSpec) -> dict[str, str]:
+    """The parameter's name for the eager collectives' schedule check. Not under tracing: a name in
+    a graph would specialise it to one module (compiled graphs are named at run time instead)."""
+    return {} if torch.compiler.is_compiling() else {"fqn": spec.fqn}
 
 
 def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config, plan_id: int) -> ShardSpec:
@@ -383,30 +388,30 @@ class _ForwardDepth:
 _FORWARD = _ForwardDepth()
 
 
-def _enter_forward(module: nn.Module, args: tuple) -> None:
-    _FORWARD.depth += 1
-
-
-def _exit_forward(module: nn.Module, args: tuple, output: object) -> None:
-    # Never below 0: a pre-hook registered before ours may raise before our enter ran, and the
-    # exit hook runs regardless (always_call).
-    _FORWARD.depth = max(0, _FORWARD.depth - 1)
-
-
-def _track_forward(module: nn.Module) -> None:
-    if not module.__dict__.get("_zpp_tracks_forward"):
-        module.register_forward_pre_hook(_enter_forward)
-        module.register_forward_hook(_exit_forward, always_call=True)  # also when forward raises
-        module._zpp_tracks_forward = True
-
-
 def in_forward() -> bool:
     """True while a forward of a sharded model (or of one of its modules) runs."""
     return _FORWARD.depth > 0
 
 
+def _counting_forwards(forward):
+    """The class's forward, counted while it runs. A method of the (shared) subclass rather than
+    forward hooks: hooks are per module, and Dynamo guards on their ids, so every module of a class
+    would get graphs of its own (a loop skipped for a graph break, regional compilation)."""
+
+    @functools.wraps(forward)  # keeps the signature Hugging Face's generate() inspects
+    def counted_forward(self, *args, **kwargs):
+        _FORWARD.depth += 1
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _FORWARD.depth -= 1
+
+    return counted_forward
+
+
 # One subclass per (original class, sharded names): modules of one type share a class, which keeps
-# Dynamo's type guards few.
+# Dynamo's type guards few. It bears the original's name (Hugging Face writes type(model).__name__
+# into config.json's architectures).
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
@@ -417,7 +422,10 @@ def _route_reads_through_gather(module: nn.Module, names: list[str]) -> None:
         attrs = {name: _sharded_attribute(name) for name in key[1]}
         attrs["_zpp_original_class"] = base
         attrs["_apply"] = _apply_keeping_shard_attributes
-        _SHARDED_CLASSES[key] = type(f"ZeroSharded{base.__name__}", (base,), attrs)
+        attrs["forward"] = _counting_forwards(base.forward)
+        attrs["__qualname__"] = base.__qualname__
+        attrs["__module__"] = base.__module__
+        _SHARDED_CLASSES[key] = type(base.__name__, (base,), attrs)
     module.__class__ = _SHARDED_CLASSES[key]
 
 
@@ -450,6 +458,22 @@ def _sharded_attribute(name: str) -> property:
         return gather_full(param, payload=int8_payload(self, name))
 
     return property(read, doc=f"`{name}`: all-gathered inside forward, the sharded DTensor outside it.")
+
+
+def _never_a_frame_of_its_own() -> None:
+    """Dynamo inlines a parameter read into the graph of the code that reads it. Called from code
+    Dynamo runs eagerly (torch.nn's own forwards, a frame skipped for a graph break in a loop), the
+    read would be compiled as a frame of its own, once per module and name until the recompile
+    limit: run it as plain Python there instead (the gather is then an eager all-gather)."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    # SKIP for the read and for every frame it calls (gather_full, to_local, the op's autograd).
+    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    set_code_exec_strategy(_sharded_attribute("weight").fget.__code__, skip)
+
+
+_never_a_frame_of_its_own()
 
 
 def _check_still_sharded(module: nn.Module, name: str, param: Optional[Tensor]) -> None:

@@ -10,7 +10,7 @@ tensors, equal on every rank. Either torch's functions or these two read and wri
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -88,6 +88,7 @@ def _check_groups(model: nn.Module, optim: torch.optim.Optimizer, state_dict: di
         raise CheckpointMismatchError(
             f"the checkpoint has {len(saved_groups)} optimizer param groups, the optimizer {len(named_groups)}"
         )
+    check_hyper_parameter_keys([group.keys() for group in saved_groups], optim, "the state dict")
     params: dict[str, Tensor] = {}
     for i, (saved, named) in enumerate(zip(saved_groups, named_groups)):
         names = {fqn for fqn, _ in named}
@@ -101,6 +102,27 @@ def _check_groups(model: nn.Module, optim: torch.optim.Optimizer, state_dict: di
     if unknown:
         raise CheckpointMismatchError(f"the checkpoint has optimizer state for parameters the optimizer lacks: {unknown}")
     return params
+
+
+def optimizer_class_name(optim: torch.optim.Optimizer) -> str:
+    """The optimizer's module-qualified class name, e.g. "torch.optim.adamw.AdamW"."""
+    return f"{type(optim).__module__}.{type(optim).__qualname__}"
+
+
+def check_hyper_parameter_keys(saved_groups: list[Iterable[str]], optim: torch.optim.Optimizer, source: str) -> None:
+    """Raise CheckpointMismatchError unless each saved param group has the hyper-parameter keys
+    of the optimizer's group: state of another optimizer class would load and step with the
+    wrong hyper-parameters (AdamW's betas in SGD) without any error."""
+    for i, (saved, group) in enumerate(zip(saved_groups, optim.param_groups)):
+        saved_keys, own_keys = set(saved) - {"params"}, set(group) - {"params"}
+        if saved_keys != own_keys:
+            raise CheckpointMismatchError(
+                f"param group {i} of {source} has the hyper-parameters {sorted(saved_keys)}, the "
+                f"{type(optim).__name__} optimizer's have {sorted(own_keys)} (only in {source}: "
+                f"{sorted(saved_keys - own_keys)}; only in the optimizer: {sorted(own_keys - saved_keys)}): it was "
+                "saved from another optimizer class: build the optimizer it was saved from, or load the model "
+                "alone (load_checkpoint(path, model)) and start this optimizer fresh"
+            )
 
 
 def _state_value(p: DTensor, value: Any, old: Any, key: str) -> Any:

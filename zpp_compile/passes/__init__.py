@@ -17,21 +17,23 @@ from .lower_gather import lower_gather
 from .lower_quantized_gather import lower_quantized_gather
 from .lower_reduce import lower_reduce
 from .lower_replicated import lower_replicated
+from .order_saved_values import order_saved_values
 from .qgz import qgz
 from .qwz import qwz
 from .read_local_inputs import read_local_inputs
 from .recompute import check_no_gathered_weight_saved, tag_gathers_for_recompute
 from .schedule_overlap import schedule_overlap
+from .tag_parameter_inputs import tag_parameter_inputs
 
 GraphPass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 PartitionPass = Callable[[fx.GraphModule, fx.GraphModule, PassContext], tuple[fx.GraphModule, fx.GraphModule]]
 
 # On the Dynamo graph, before AOTAutograd (changes what the backward computes).
-PRE_AUTOGRAD_PASSES: list[GraphPass] = [dedupe_gathers]
+PRE_AUTOGRAD_PASSES: list[GraphPass] = [dedupe_gathers, tag_parameter_inputs]
 # On the joint graph, before partitioning (changes what the forward saves).
 JOINT_PASSES: list[GraphPass] = [read_local_inputs, tag_gathers_for_recompute]
 # On the forward and backward graphs together, right after partitioning (changes what is saved).
-PARTITION_PASSES: list[PartitionPass] = [hpz]
+PARTITION_PASSES: list[PartitionPass] = [hpz, order_saved_values]
 # On the partitioned graphs, before lowering to Inductor.
 # qwz first: it rewrites the forward gathers it quantizes; lower_gather takes whatever is left.
 # The scheduling passes come last: they see the collectives that really travel.
@@ -87,10 +89,12 @@ __all__ = [
     "lower_quantized_gather",
     "lower_reduce",
     "lower_replicated",
+    "order_saved_values",
     "qgz",
     "qwz",
     "read_local_inputs",
     "run_partition_passes",
     "run_passes",
     "tag_gathers_for_recompute",
+    "tag_parameter_inputs",
 ]

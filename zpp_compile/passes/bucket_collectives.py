@@ -17,10 +17,9 @@ import logging
 
 import torch.fx as fx
 from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
-from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .context import PassContext
-from .graph_utils import COLLECTIVE_STARTS, calls, finish
+from .graph_utils import COLLECTIVE_STARTS, calls, finish, random_nodes, stable_topological_sort
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +28,7 @@ _MIB = 2**20
 
 def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     before = _count(gm)
+    draws = random_nodes(gm.graph)
     gather_cap, reduce_cap = ctx.config.gather_bucket_bytes, ctx.config.reduce_bucket_bytes
     if gather_cap:
         bucket_all_gather(gm, lambda _: gather_cap / _MIB, "default")
@@ -39,7 +39,8 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         log.debug("bucket_collectives: %s: nothing to merge; graph unchanged", ctx.label)
         return gm
     log.debug("bucket_collectives: %s: %d collectives -> %d", ctx.label, before, after)
-    stable_topological_sort(gm.graph)  # Inductor's merge sits at the last member; pull it above the first use
+    # Inductor's merge sits at the last member: pull it above the first use, random ops kept in order.
+    stable_topological_sort(gm.graph, draws)
     return finish(gm)
 
 

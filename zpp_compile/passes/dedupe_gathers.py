@@ -22,7 +22,7 @@ import logging
 import torch.fx as fx
 
 from .context import PassContext
-from .graph_utils import GATHER_MARKERS, finish, replace_node
+from .graph_utils import GATHER_MARKERS, finish, graph_input_of, replace_node
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,5 @@ def _changes_mode(node: fx.Node) -> bool:
 def _gather_key(node: fx.Node) -> tuple:
     source, *rest = node.args
     args = (tuple(a) if isinstance(a, list) else a for a in rest)
-    return (node.target, _parameter_of(source), *args, *sorted(node.kwargs.items(), key=lambda kv: kv[0]))
-
-
-def _parameter_of(source: fx.Node) -> fx.Node:
-    """The graph input a gather reads: each read of a DTensor parameter calls its own to_local()."""
-    if source.op == "call_method" and source.target == "to_local":
-        return source.args[0]
-    return source
+    # Each read of a DTensor parameter calls its own to_local(): key on the graph input it reads.
+    return (node.target, graph_input_of(source), *args, *sorted(node.kwargs.items(), key=lambda kv: kv[0]))

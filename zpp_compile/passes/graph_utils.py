@@ -55,6 +55,14 @@ def is_view_or_cast(node: fx.Node) -> bool:
     return len(schema.returns) == 1 and schema.returns[0].alias_info is not None
 
 
+def graph_input_of(node: fx.Node) -> fx.Node:
+    """The graph input a parameter read takes: the node itself, or the DTensor input whose
+    to_local() it is (Dynamo's graphs)."""
+    if node.op == "call_method" and node.target == "to_local":
+        return node.args[0]
+    return node
+
+
 def tensor_val(node: fx.Node) -> torch.Tensor:
     return node.meta["val"]
 
@@ -84,6 +92,52 @@ def flatten_padded(graph: fx.Graph, tensor: fx.Node, target_numel: int) -> fx.No
     if pad:
         flat = insert_call(graph, aten.constant_pad_nd.default, flat, [0, pad])
     return flat
+
+
+def is_random(node: fx.Node) -> bool:
+    """A node drawing from a random generator (rand, randn, bernoulli, dropout, randperm, ...)."""
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def random_nodes(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if is_random(n)]
+
+
+def stable_topological_sort(graph: fx.Graph, draw_order: list[fx.Node]) -> None:
+    """Order the graph so that every node follows its inputs, moving as little as possible, and
+    the random nodes of `draw_order` (the random nodes as they were before a pass moved things)
+    draw in that order. Random ops share one generator: two of them swapped draw each other's
+    values, so a compiled step would no longer draw the masks the eager step does. (Inductor's
+    own stable sort knows data dependencies only.)"""
+    follows = dict(zip(draw_order[1:], draw_order[:-1]))
+    placed: set[fx.Node] = set()
+    waiting: dict[fx.Node, list[fx.Node]] = {}
+    order: list[fx.Node] = []
+
+    def missing(node: fx.Node):
+        inputs = [*node.all_input_nodes, *([follows[node]] if node in follows else [])]
+        return next((i for i in inputs if i not in placed), None)
+
+    def place(node: fx.Node) -> None:
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            blocker = missing(current)
+            if blocker is not None:
+                waiting.setdefault(blocker, []).append(current)
+                continue
+            placed.add(current)
+            order.append(current)
+            stack.extend(reversed(waiting.pop(current, [])))
+
+    output = graph.output_node()
+    for node in list(graph.nodes):
+        if node is not output:
+            place(node)
+    if len(order) != len(graph.nodes) - 1:
+        raise RuntimeError("stable_topological_sort: the graph has a cycle")
+    for node in [*order, output]:
+        graph._root.prepend(node)  # to the end: the nodes end up in `order`
 
 
 def replace_node(old: fx.Node, new: fx.Node) -> None:

@@ -30,7 +30,6 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
-from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .. import error_feedback  # noqa: F401  (registers zpp::ef_load / zpp::ef_store)
 from ..codegen.registry import QuantKernels, quant_kernels
@@ -38,7 +37,7 @@ from ..error_feedback import new_slot
 from ..topology import Topology
 from .buckets import bucket_by_bytes
 from .context import PassContext
-from .graph_utils import c10d, calls, finish, inline_traced, replace_node
+from .graph_utils import c10d, calls, finish, inline_traced, random_nodes, replace_node, stable_topological_sort
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +53,10 @@ def qgz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for marker in markers:
         if marker.args[3] != ctx.topology.world_size:
             raise NotImplementedError(f"qgz: {marker.name} reduces over {marker.args[3]} ranks; qgZ reduces over the world.")
+    draws = random_nodes(gm.graph)
     for bucket in bucket_by_bytes(markers, _gradient_bytes, ctx.config.reduce_bucket_bytes):
         _rewrite_bucket(gm.graph, bucket, ctx)
-    stable_topological_sort(gm.graph)  # a user of an early marker may sit before the bucket's end
+    stable_topological_sort(gm.graph, draws)  # a user of an early marker may sit before the bucket's end
     return finish(gm)
 
 

@@ -45,10 +45,18 @@ def gathered_weight_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 
 def check_no_gathered_weight_saved(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Raise if any value the forward saves for backward is a gathered weight (or a view of one)."""
+    """Raise if any value the forward saves for backward is a gathered weight (or a view of one).
+
+    The forward's outputs are the graph's own outputs followed by what it saves (the backward's
+    inputs other than the tangents). A gathered weight among the former is the model's business:
+    a graph break right after a parameter read hands the weight to the eager code and the next
+    graph (its gradient comes back through autograd); only the saved ones break the bound.
+    """
     weights = set(gathered_weight_nodes(fw_gm.graph))
     fw_outputs = fw_gm.graph.output_node().args[0]
-    saved = [n for n in fw_outputs if isinstance(n, fx.Node) and n in weights]
+    saved_count = sum(1 for p in bw_gm.graph.nodes if p.op == "placeholder" and not p.name.startswith("tangents"))
+    saved_outputs = fw_outputs[len(fw_outputs) - saved_count :] if saved_count else []
+    saved = [n for n in saved_outputs if isinstance(n, fx.Node) and n in weights]
     if saved and not ctx.config.save_gathered_weights:
         raise GatheredWeightSavedError(
             f"{ctx.label}: the partitioner saved gathered weights {[n.name for n in saved]} for backward; "
