@@ -1,108 +1,144 @@
-"""Train a small byte-level GPT on the Python standard library's own source, sharded by zpp_compile.
+"""Train a small byte-level language model on the Python standard library's own source, sharded by
+zpp_compile: a plain torchrun script with the training loop of nanoGPT / torchtitan.
 
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py            # compiled, ZeRO-3
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --eager    # eager reference
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --ranks-per-node 2 --qwz --hpz 2 --qgz
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --clip 1.0 --warmup 20 --min-lr 1e-4
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --grad-accum 4 --batch-size 2
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --model hf-llama   # or hf-gpt2
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --bf16 --checkpoint-dir ckpt --save-every 50
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --bf16 --checkpoint-dir ckpt --resume
+    torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --device cuda --bf16   # one GPU per rank, nccl
 
 Every machine with Python has the data: the .py files of the standard library, read as bytes.
-Writes the loss curve to runs/train_gpt_<mode>.csv.
+Rank 0 logs, every --log-every steps: the loss (world mean), the learning rate (linear warmup,
+then cosine decay to --min-lr), the global gradient norm before clipping, ms/step, tokens/s over
+all ranks, peak memory (CPU: the process's peak RSS; CUDA: max_memory_allocated) and the bytes this
+rank sent in the step, inside its node and to other nodes. At the end it writes to --out-dir:
+train_gpt_<mode>.csv (one row per step), train_gpt_<mode>.json (summary) and, when matplotlib is
+installed, train_gpt_<mode>.png (the loss curve).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
 import statistics
 import sys
-import sysconfig
 import time
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout as well
 
 import zpp_compile  # noqa: E402
-from examples.gpt import GPT, GPTConfig  # noqa: E402
+from examples.training_utils import (  # noqa: E402,F401  (sample_batch etc.: the benchmarks import them from here)
+    MODELS,
+    FirstStepNotice,
+    LossFn,
+    StepRecord,
+    build_model,
+    forward_backward,
+    history_tensor,
+    load_stdlib_bytes,
+    lr_at,
+    peak_memory_bytes,
+    plot_loss_curve,
+    progress,
+    records_from_history,
+    sample_batch,
+    sample_starts,
+    write_csv,
+)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--eager", action="store_true", help="run the sharded model without torch.compile")
-    p.add_argument("--lowering", choices=["inductor", "aot_eager"], default="inductor")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="simulate several nodes on one machine")
-    p.add_argument("--qwz", action="store_true", help="ZeRO++ qwZ: int8 forward weight gathers")
-    p.add_argument("--hpz", type=int, default=None, metavar="K", help="ZeRO++ hpZ: secondary partition of K ranks")
-    p.add_argument("--qgz", action="store_true", help="ZeRO++ qgZ: int4 hierarchical gradient all-to-alls")
-    p.add_argument("--qgz-ef", action="store_true", help="qgZ with error feedback")
-    p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 gathers and compute, fp32 masters")
-    p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints to DIR/step_<N>")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--data-mb", type=float, default=8.0, help="megabytes of stdlib source to read")
-    p.add_argument("--out-dir", default="runs")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    model = p.add_argument_group("model")
+    model.add_argument("--model", choices=MODELS, default="gpt",
+                       help="gpt: examples/gpt.py; hf-gpt2 / hf-llama: a Hugging Face model of the same size, "
+                            "built from a config (nothing downloaded)")  # fmt: skip
+    model.add_argument("--block-size", type=int, default=128)
+    model.add_argument("--n-layer", type=int, default=4)
+    model.add_argument("--n-embd", type=int, default=128)
+    model.add_argument("--n-head", type=int, default=4)
+    train = p.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    train.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch")
+    train.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per optimizer step")
+    train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    train.add_argument("--min-lr", type=float, default=None, help="learning rate at the last step (default: --lr / 10)")
+    train.add_argument("--warmup", type=int, default=10, help="steps of linear learning-rate warmup")
+    train.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
+                       help="after the warmup: cosine decay to --min-lr, or constant --lr")  # fmt: skip
+    train.add_argument("--clip", type=float, default=None, metavar="MAX", help="clip gradients to global norm MAX")
+    train.add_argument("--data-mb", type=float, default=8.0, help="megabytes of stdlib source to read")
+    train.add_argument("--seed", type=int, default=0)
+    zpp = p.add_argument_group("zpp_compile")
+    zpp.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                     help="cpu (gloo) or cuda (nccl, one GPU per rank: LOCAL_RANK)")  # fmt: skip
+    zpp.add_argument("--eager", action="store_true", help="run the sharded model without torch.compile")
+    zpp.add_argument("--lowering", choices=["inductor", "aot_eager"], default="inductor")
+    zpp.add_argument("--ranks-per-node", type=int, default=None, help="simulate several nodes on one machine")
+    zpp.add_argument("--qwz", action="store_true", help="ZeRO++ qwZ: int8 forward weight gathers")
+    zpp.add_argument("--hpz", type=int, default=None, metavar="K", help="ZeRO++ hpZ: secondary partition of K ranks")
+    zpp.add_argument("--qgz", action="store_true", help="ZeRO++ qgZ: int4 hierarchical gradient all-to-alls")
+    zpp.add_argument("--qgz-ef", action="store_true", help="qgZ with error feedback")
+    zpp.add_argument("--bf16", action="store_true", help="mixed precision: bf16 gathers and compute, fp32 masters")
+    io = p.add_argument_group("checkpoints and output")
+    io.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints to DIR/step_<N>")
+    io.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    io.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    io.add_argument("--log-every", type=int, default=20)
+    io.add_argument("--notice-every", type=float, default=10.0, metavar="S",
+                    help="while the first step (compilation) runs, say every S seconds how long it has taken")  # fmt: skip
+    io.add_argument("--out-dir", default="runs")
+    args = p.parse_args(argv)
+    if args.device == "cuda":
+        _check_cuda(p)
+    if args.grad_accum < 1:
+        p.error("--grad-accum must be at least 1")
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+    return args
 
 
-def load_stdlib_bytes(limit_mb: float) -> torch.Tensor:
-    """The standard library's .py files, sorted by path, concatenated as bytes (identical on every rank)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts:
-            continue
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= limit_mb * 1e6:
-            break
-    return torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8).long()
+def _check_cuda(p: argparse.ArgumentParser) -> None:
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        p.error(f"--device cuda: CUDA is not available (torch {torch.__version__}, {built}; "
+                f"{torch.cuda.device_count()} GPUs visible). Leave out --device, or use --device cpu (gloo).")  # fmt: skip
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        p.error(f"--device cuda: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs visible; "
+                "start at most one process per GPU (--nproc-per-node)")  # fmt: skip
 
 
-def sample_starts(data: torch.Tensor, batch: int, block: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randint(0, data.numel() - block - 1, (batch,), generator=gen)
-
-
-def sample_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = sample_starts(data, batch, block, gen)
-    window = torch.stack([data[s : s + block + 1] for s in starts.tolist()])
-    return window[:, :-1], window[:, 1:]
-
-
-def init_distributed() -> None:
+def init_distributed(device_type: str) -> torch.device:
+    """Join torchrun's process group (gloo on CPU, nccl on CUDA with this rank's GPU = LOCAL_RANK)."""
     if "RANK" not in os.environ:  # plain `python examples/train_gpt.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")  # fmt: skip
+    timeout = datetime.timedelta(seconds=300)
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        return device
+    dist.init_process_group("gloo", timeout=timeout)
+    return torch.device("cpu")
 
 
-def main() -> None:
-    args = parse_args()
-    init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)
-    data = load_stdlib_bytes(args.data_mb)
-    split = int(0.95 * data.numel())
-    train_data, val_data = data[:split], data[split:]
-
-    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    model = GPT(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    config = zpp_compile.Config(
+def zpp_config(args: argparse.Namespace) -> zpp_compile.Config:
+    return zpp_compile.Config(
         ranks_per_node=args.ranks_per_node,
         lowering=args.lowering,
         quantize_weights=args.qwz,
@@ -111,9 +147,11 @@ def main() -> None:
         qgz_error_feedback=args.qgz_ef,
         param_dtype=torch.bfloat16 if args.bf16 else None,
     )
-    zpp_compile.shard(model, config)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
-    run = model if args.eager else torch.compile(model, backend="zeropp")
+
+
+def mode_name(args: argparse.Namespace) -> str:
+    """Names the output files: eager, compiled-inductor, compiled-inductor+qwz+hpz2+qgz, ...;
+    prefixed with the model for the Hugging Face ones."""
     flags = (
         ("bf16", args.bf16),
         ("qwz", args.qwz),
@@ -123,129 +161,230 @@ def main() -> None:
     )
     features = [name for name, on in flags if on]
     mode = "eager" if args.eager else "+".join([f"compiled-{args.lowering}", *features])
+    return mode if args.model == "gpt" else f"{args.model}-{mode}"
 
-    log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"zpp_compile {mode}: GPT {n_params / 1e6:.2f}M params, world {world}, "
-        f"{train_data.numel() / 1e6:.1f}M training bytes of stdlib source")
-    bar = _progress(args.steps, enabled=rank == 0)
+
+def main() -> None:
+    args = parse_args()
+    device = init_distributed(args.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)  # every rank alike: the same initial weights
+    data = load_stdlib_bytes(args.data_mb)
+    split = int(0.95 * data.numel())
+    train_data, val_data = data[:split], data[split:]
+
+    model, loss_fn = build_model(args.model, block_size=args.block_size, n_layer=args.n_layer,
+                                 n_embd=args.n_embd, n_head=args.n_head)  # fmt: skip
+    n_params = sum(p.numel() for p in model.parameters())
+    zpp_compile.shard(model.to(device), zpp_config(args))  # ZeRO-3: every parameter partitioned across ranks
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    run = model if args.eager else torch.compile(model, backend="zeropp")
+    mode = mode_name(args)
+    tokens_per_step = world * args.grad_accum * args.batch_size * args.block_size
+
+    log: Callable[[str], None] = print if rank == 0 else (lambda line: None)
+    log(f"zpp_compile {mode}: {args.model} {n_params / 1e6:.2f}M params, world {world} on {device.type}, "
+        f"{train_data.numel() / 1e6:.1f}M training bytes of stdlib source, {tokens_per_step} tokens/step "
+        f"({args.grad_accum} x {args.batch_size} x {args.block_size} per rank)")  # fmt: skip
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
-    first = resume(model, opt, args, gen, train_data, log) + 1
-    if first > args.steps:
-        log(f"the checkpoint is at step {first - 1}: nothing left of --steps {args.steps}")
+    last_saved, records = resume(model, opt, args, gen, train_data, log)
+    if last_saved >= args.steps:
+        log(f"the checkpoint is at step {last_saved}: nothing left of --steps {args.steps}")
         return dist.destroy_process_group()
-    rows, step_times, sent_bytes = [], [], 0
+
+    bar = progress(args.steps, enabled=rank == 0, desc=mode)
+    bar.update(last_saved)
+    write = bar.write if rank == 0 else (lambda line: None)
     counter = zpp_compile.comm_counter()
-    for step in range(first, args.steps + 1):
+    step_times: list[float] = []
+    first_step_s = 0.0
+    for step in range(last_saved + 1, args.steps + 1):
+        lr = set_lr(opt, step, args)
         counter.reset()
         t0 = time.perf_counter()
-        x, y = sample_batch(train_data, args.batch_size, args.block_size, gen)
-        loss = run(x, y)
-        loss.backward()
+        micro_batches = [to_device(sample_batch(train_data, args.batch_size, args.block_size, gen), device)
+                         for _ in range(args.grad_accum)]  # fmt: skip
+        if step == last_saved + 1:
+            label = "first step (eager)" if args.eager else "compiling (first step)"
+            with FirstStepNotice(label, enabled=rank == 0, every=args.notice_every, write=write) as notice:
+                loss = forward_backward(run, loss_fn, micro_batches)
+            first_step_s = notice.seconds
+        else:
+            loss = forward_backward(run, loss_fn, micro_batches)
+        grad_norm = clip_or_measure(model, args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        mean_loss = _world_mean(loss.detach())
+        mean_loss = _world_mean(loss)  # also waits for the step (an all-reduce and .item())
         dt = time.perf_counter() - t0
         step_times.append(dt)
-        sent_bytes = counter.bytes()
-        rows.append((step, mean_loss, dt))
+        record = StepRecord(
+            step, mean_loss, lr, grad_norm, seconds=dt, tokens_per_s=tokens_per_step / dt,
+            peak_mem_bytes=peak_memory_bytes(device), sent_intra=counter.bytes(locality="intra"),
+            sent_inter=counter.bytes(locality="inter"),
+        )  # fmt: skip
+        records.append(record)
         bar.update(1)
         bar.set_postfix(loss=f"{mean_loss:.3f}")
-        if rank == 0 and (step % args.log_every == 0 or step == 1):
-            bar.write(f"step {step:5d}  loss {mean_loss:.4f}  {dt * 1e3:7.1f} ms/step  "
-                      f"sent {sent_bytes / 1e6:.2f} MB/rank/step")
+        if step % args.log_every == 0 or step == last_saved + 1 or step == args.steps:
+            write(record.log_line(args.steps))
         if args.checkpoint_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
-            zpp_compile.save_checkpoint(Path(args.checkpoint_dir) / f"step_{step}", model, opt, extra={"step": step})
+            extra = {"step": step, "history": history_tensor(records)}
+            zpp_compile.save_checkpoint(Path(args.checkpoint_dir) / f"step_{step}", model, opt, extra=extra)
     bar.close()
 
-    val_loss = evaluate(run, model, val_data, args)
-    summary = {
-        "mode": mode,
-        "world_size": world,
-        "params": n_params,
-        "steps": args.steps,
-        "first_step_s": step_times[0],
-        "median_step_ms": statistics.median(step_times[min(10, len(step_times) - 1):]) * 1e3,
-        "sent_mb_per_rank_step": sent_bytes / 1e6,
-        "final_train_loss": rows[-1][1],
-        "val_loss": val_loss,
-    }
-    log(f"first step (compile included) {summary['first_step_s']:.1f} s; median step "
-        f"{summary['median_step_ms']:.1f} ms; final train loss {rows[-1][1]:.4f}; val loss {val_loss:.4f}")
+    val_loss = evaluate(run, model, loss_fn, val_data, args, device)
+    summary = summarize(args, mode, world, n_params, device, records, step_times, first_step_s, val_loss)
+    log(f"first step ({'eager' if args.eager else 'compile included'}) {first_step_s:.1f} s; median step "
+        f"{summary['median_step_ms']:.1f} ms; final train loss {summary['final_train_loss']:.4f}; "
+        f"val loss {val_loss:.4f}")  # fmt: skip
     if rank == 0:
-        write_csv(Path(args.out_dir) / f"train_gpt_{mode}.csv", rows)
-        (Path(args.out_dir) / f"train_gpt_{mode}.json").write_text(json.dumps(summary, indent=1))
+        write_outputs(Path(args.out_dir), mode, records, summary, val_loss)
     dist.destroy_process_group()
 
 
-def resume(model, opt, args: argparse.Namespace, gen: torch.Generator, data: torch.Tensor, log) -> int:
-    """With --resume, load the newest complete DIR/step_<N> (at any world size) and return N, else 0.
+def set_lr(opt: torch.optim.Optimizer, step: int, args: argparse.Namespace) -> float:
+    min_lr = args.lr if args.schedule == "constant" else args.min_lr
+    lr = lr_at(step, base_lr=args.lr, min_lr=min_lr, warmup=args.warmup, total=args.steps)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def clip_or_measure(model: nn.Module, max_norm: Optional[float]) -> float:
+    """The global gradient norm before clipping (all ranks' shards together); with max_norm, clip to it.
+
+    torch.nn.utils.clip_grad_norm_ works unchanged on the sharded parameters: it clips by the global
+    norm and returns it as a DTensor (as for FSDP2). Collective: every rank calls this every step."""
+    if max_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    else:
+        norm = zpp_compile.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    return norm.item()
+
+
+def to_device(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+
+
+def resume(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    gen: torch.Generator,
+    data: torch.Tensor,
+    log: Callable[[str], None],
+) -> tuple[int, list[StepRecord]]:
+    """With --resume, load the newest complete DIR/step_<N> (at any world size) and return N and
+    the loss curve up to it (kept in the checkpoint), else (0, []).
 
     latest_checkpoint skips, with a warning, newer folders that a killed save left incomplete.
-    The data stream continues where it stopped: this rank's generator replays N draws. (Ranks
+    The data stream continues where it stopped: this rank's generator replays N steps' draws. (Ranks
     draw their own batches, so a run resumed at another world size sees other batches.)"""
     if not args.resume:
-        return 0
+        return 0, []
     folder = zpp_compile.latest_checkpoint(args.checkpoint_dir or ".")
     if folder is None:
         log(f"--resume: no complete checkpoint in {args.checkpoint_dir}; starting from step 1")
-        return 0
-    step = int(zpp_compile.load_checkpoint(folder, model, opt)["step"])
-    for _ in range(step):
+        return 0, []
+    extra = zpp_compile.load_checkpoint(folder, model, opt)
+    step = int(extra["step"])
+    for _ in range(step * args.grad_accum):
         sample_starts(data, args.batch_size, args.block_size, gen)
-    log(f"resumed from {folder} (step {step})")
-    return step
+    records = records_from_history(extra.get("history"), step)
+    last = f", loss {records[-1].loss:.4f}" if records else ""
+    log(f"resumed from {folder} (step {step}{last})")
+    return step, records
 
 
 @torch.no_grad()
-def evaluate(run, model, val_data: torch.Tensor, args: argparse.Namespace, batches: int = 4) -> float:
+def evaluate(
+    run: Callable[..., Any],
+    model: nn.Module,
+    loss_fn: LossFn,
+    val_data: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+    batches: int = 4,
+) -> float:
+    """Mean loss on `batches` held-out batches per rank (world mean)."""
     model.eval()
     gen = torch.Generator().manual_seed(12345 + dist.get_rank())
-    losses = [run(*sample_batch(val_data, args.batch_size, args.block_size, gen)) for _ in range(batches)]
+    losses = [loss_fn(run, *to_device(sample_batch(val_data, args.batch_size, args.block_size, gen), device))
+              for _ in range(batches)]  # fmt: skip
     model.train()
-    return _world_mean(torch.stack(losses).mean())
+    return _world_mean(torch.stack(losses).float().mean())
 
 
 def _world_mean(value: torch.Tensor) -> float:
-    value = value.clone()
+    value = value.detach().float().clone()
     dist.all_reduce(value)
     return value.item() / dist.get_world_size()
 
 
-def write_csv(path: Path, rows: list[tuple[int, float, float]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["step", "loss", "step_seconds"])
-        writer.writerows((s, f"{loss:.6f}", f"{dt:.4f}") for s, loss, dt in rows)
-    print(f"wrote {path}")
+def summarize(
+    args: argparse.Namespace,
+    mode: str,
+    world: int,
+    n_params: int,
+    device: torch.device,
+    records: list[StepRecord],
+    step_times: list[float],
+    first_step_s: float,
+    val_loss: float,
+) -> dict[str, Any]:
+    """The run's JSON summary (benchmarks/step_time.py and qgz_convergence.py read it)."""
+    steady = step_times[min(10, len(step_times) - 1):]
+    last = records[-1]
+    median_s = statistics.median(steady)
+    return {
+        "mode": mode,
+        "world_size": world,
+        "params": n_params,
+        "steps": args.steps,
+        "first_step_s": first_step_s,
+        "median_step_ms": median_s * 1e3,
+        "sent_mb_per_rank_step": (last.sent_intra + last.sent_inter) / 1e6,
+        "final_train_loss": last.loss,
+        "val_loss": val_loss,
+        "model": args.model,
+        "device": device.type,
+        "first_step": records[-len(step_times)].step,
+        "grad_accum": args.grad_accum,
+        "tokens_per_step": world * args.grad_accum * args.batch_size * args.block_size,
+        "median_tokens_per_s": world * args.grad_accum * args.batch_size * args.block_size / median_s,
+        "sent_intra_mb_per_rank_step": last.sent_intra / 1e6,
+        "sent_inter_mb_per_rank_step": last.sent_inter / 1e6,
+        "peak_memory_mb": last.peak_mem_bytes / 1e6,
+        "final_grad_norm": last.grad_norm,
+        "final_lr": last.lr,
+        "clip": args.clip,
+    }
 
 
-def _progress(total: int, enabled: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is an optional extra; fall back to plain lines
-        tqdm = None
-    if tqdm is not None:
-        return tqdm(total=total, disable=not enabled, dynamic_ncols=True)
-    return _PlainProgress(enabled)
-
-
-class _PlainProgress:
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-
-    def update(self, n: int) -> None:
-        pass
-
-    def set_postfix(self, **kwargs) -> None:
-        pass
-
-    def write(self, line: str) -> None:
-        if self.enabled:
-            print(line, flush=True)
-
-    def close(self) -> None:
-        pass
+def write_outputs(out: Path, mode: str, records: list[StepRecord], summary: dict[str, Any], val_loss: float) -> None:
+    """CSV, JSON and the loss-curve PNG (rank 0), then the summary as a table."""
+    csv_path, json_path, png_path = (out / f"train_gpt_{mode}{ext}" for ext in (".csv", ".json", ".png"))
+    write_csv(csv_path, records)
+    json_path.write_text(json.dumps(summary, indent=1))
+    skipped = plot_loss_curve(records, png_path, f"examples/train_gpt.py {mode}, world {summary['world_size']}",
+                              val=(records[-1].step, val_loss))  # fmt: skip
+    print(f"wrote {csv_path}, {json_path}" + (f", {png_path}" if skipped is None else ""))
+    if skipped is not None:
+        print(f"loss-curve plot skipped: {skipped}")
+    rows = [
+        ("model", f"{summary['model']}, {summary['params'] / 1e6:.2f}M params"),
+        ("mode", f"{mode}, world {summary['world_size']} on {summary['device']}"),
+        ("steps", f"{summary['first_step']}..{summary['steps']}, {summary['tokens_per_step']} tokens/step"),
+        ("first step (compile) s", f"{summary['first_step_s']:.1f}"),
+        ("median step ms", f"{summary['median_step_ms']:.1f}"),
+        ("median tokens/s", f"{summary['median_tokens_per_s']:.0f}"),
+        ("sent MB/rank/step (intra, inter)",
+         f"{summary['sent_intra_mb_per_rank_step']:.2f}, {summary['sent_inter_mb_per_rank_step']:.2f}"),
+        ("peak memory MB (rank 0)", f"{summary['peak_memory_mb']:.0f}"),
+        ("final train loss, val loss", f"{summary['final_train_loss']:.4f}, {val_loss:.4f}"),
+    ]  # fmt: skip
+    print("\n| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows))
 
 
 if __name__ == "__main__":

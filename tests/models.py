@@ -200,6 +200,21 @@ def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
     return F.mse_loss(model(x), y)
 
 
+def peak_bytes_during(work) -> int:
+    """The most bytes allocated at once while work() runs, over what was live before it (the
+    profiler's memory records: CPU has no allocator statistics)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        work()
+    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda r: r.start_ns())
+    live = peak = 0
+    for record in records:
+        live += record.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 def quantize_dequantize_per_shard(full: torch.Tensor, spec: ShardSpec, block: int) -> torch.Tensor:
     """What every rank sees after an int8 gather: each rank's padded part quantized on its own."""
     pieces = []

@@ -29,9 +29,11 @@ from .faults import CollectiveError
 from .plan import CommPlan, peak_collective_bytes
 from .schedule_check import ScheduleMismatchError
 from .clip import clip_grad_norm_, get_total_norm
+from .initialize import materialize
 from .layout import ShardingError, is_sharded
 from .sharding import full_state_dict, shard
 from .topology import DistributedNotInitializedError, Topology
+from .weights import load_full_state_dict, load_safetensors
 
 _register_backend()
 
@@ -57,9 +59,12 @@ __all__ = [
     "full_state_dict",
     "get_total_norm",
     "is_sharded",
+    "load_full_state_dict",
+    "load_safetensors",
     "latest_checkpoint",
     "load_checkpoint",
     "load_optimizer_state_dict",
+    "materialize",
     "optimizer_state_dict",
     "peak_collective_bytes",
     "save_checkpoint",

@@ -67,6 +67,13 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     topology = build_topology(config)
     agree_on_model(model, config)
     set_current_topology(topology)
+    on_meta = _single_device(model).type == "meta"
+    if on_meta and config.quantize_frozen_weights and any(not p.requires_grad for p in model.parameters()):
+        raise ShardingError(
+            "Config(quantize_frozen_weights=True) quantizes frozen weights at shard() from their values, and "
+            "this model is on the meta device: build it with its weights (or load them, then shard), or "
+            "leave quantize_frozen_weights off for meta-device initialization."
+        )
     device = _training_device(_single_device(model))
     if sync_module_states:
         _broadcast_from_rank0(model)
@@ -479,7 +486,8 @@ _never_a_frame_of_its_own()
 def _check_still_sharded(module: nn.Module, name: str, param: Optional[Tensor]) -> None:
     spec = None if param is None else shard_spec(param)
     expected = module.__dict__["_zpp_specs"][name]
-    if spec is expected and param.device == expected.device:
+    # A model sharded on the meta device is materialized once (to_empty / materialize).
+    if spec is expected and (param.device == expected.device or expected.device.type == "meta"):
         return
     where = f"parameter {expected.fqn!r} ({getattr(module, '_zpp_original_class', type(module)).__name__}.{name})"
     if spec is expected:

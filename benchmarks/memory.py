@@ -1,0 +1,149 @@
+"""Peak memory per rank from process start through 3 training steps of Hugging Face GPT-2 small
+(124M parameters): zpp_compile (meta-device init), FSDP2 (fully_shard per block, meta init +
+to_empty + init) and DDP, each in fresh processes, plus the theoretical sharded state.
+
+    python benchmarks/memory.py [--nproc 4] [--steps 3] [--configs zeropp,zeropp_compiled,zeropp_full,fsdp2,ddp]
+
+zeropp_full is qwZ + hpZ + qgZ on 2 simulated nodes (compiled). Peak RSS is the kernel's
+high-water mark of each process (ru_maxrss); the table reports the largest rank's. Writes it to
+docs/memory.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import benchmark_parser, publish, run_workers  # noqa: E402
+
+CONFIGS = ("zeropp", "zeropp_compiled", "zeropp_full", "fsdp2", "ddp")
+SEQ, BATCH, VOCAB = 128, 2, 50257
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=VOCAB, n_positions=1024)
+
+
+def _build_zeropp(name: str, ranks_per_node: int):
+    import zpp_compile
+    from transformers import GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(_gpt2_config())
+    full = name == "zeropp_full"
+    config = zpp_compile.Config(
+        ranks_per_node=ranks_per_node if full else None, quantize_weights=full, hpz_size=2 if full else None,
+        quantize_gradients=full,
+    )  # fmt: skip
+    zpp_compile.shard(model, config)
+    zpp_compile.materialize(model, init=lambda m: m.init_weights())
+    run = model if name == "zeropp" else torch.compile(model, backend="zeropp")
+    return model, run
+
+
+def _build_fsdp2():
+    from torch.distributed.fsdp import fully_shard
+    from transformers import GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(_gpt2_config())
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model, model
+
+
+def _build_ddp():
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(_gpt2_config())
+    return model, torch.nn.parallel.DistributedDataParallel(model)
+
+
+def measure(name: str, steps: int, ranks_per_node: int) -> dict:
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    if name.startswith("zeropp"):
+        model, run = _build_zeropp(name, ranks_per_node)
+    else:
+        model, run = _build_fsdp2() if name == "fsdp2" else _build_ddp()
+    after_init = _rss_mb()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        run(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"after_init_mb": after_init, "peak_mb": _rss_mb(), "seconds": time.perf_counter() - start}
+
+
+def theoretical_state_mb(world: int) -> float:
+    """Sharded parameters, gradients and the two AdamW moments, fp32: 16 bytes per parameter / world."""
+    from transformers import GPT2LMHeadModel
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT2LMHeadModel(_gpt2_config()).parameters())
+    return params * 16 / world / 2**20
+
+
+def main() -> None:
+    p = benchmark_parser(__doc__)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
+        result = measure(args.config, args.steps, args.ranks_per_node)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, result)
+        if dist.get_rank() == 0:
+            Path(args.out).write_text(json.dumps(everyone))
+        dist.destroy_process_group()
+        return
+    rows = []
+    for name in args.configs.split(","):
+        per_rank = run_workers(__file__, args.nproc, ["--config", name, "--steps", str(args.steps)])
+        rows.append((name, max(r["after_init_mb"] for r in per_rank), max(r["peak_mb"] for r in per_rank)))
+        print(f"{name}: {rows[-1]}", flush=True)
+    publish(_table(rows, args, theoretical_state_mb(args.nproc)), "memory.md", "Memory per rank: GPT-2 small")
+
+
+def _table(rows: list, args, state_mb: float) -> str:
+    ddp = next((peak for name, _, peak in rows if name == "ddp"), None)
+    lines = [
+        f"`python benchmarks/memory.py --nproc {args.nproc} --steps {args.steps}` (HF GPT-2 small, 124M "
+        f"parameters, {BATCH} x {SEQ} tokens per rank per step, AdamW, CPU, gloo; peak RSS of the largest rank "
+        "from process start)",
+        "",
+        "| config | RSS after init MB | peak RSS through the steps MB | peak / DDP's |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, init_mb, peak in rows:
+        ratio = f"{peak / ddp:.2f}" if ddp else "-"
+        lines.append(f"| {name} | {init_mb:.0f} | {peak:.0f} | {ratio} |")
+    lines += ["", f"Theoretical sharded state (fp32 parameters, gradients, AdamW moments / {args.nproc}): {state_mb:.0f} MB."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
