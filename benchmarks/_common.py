@@ -28,16 +28,11 @@ def step_peak_bytes(step: Callable[[], None]) -> int:
 
 
 def reset_compiled_state() -> None:
-    """Forget compiled graphs and the sharding layout, so the next config in the same processes
-    shards and compiles afresh."""
-    import torch
+    """Forget compiled graphs, the sharding layout and the rest of zpp_compile's process state
+    (zpp_compile.reset()), so the next config in the same processes shards and compiles afresh."""
+    import zpp_compile
 
-    from zpp_compile.backend import clear_compiled_graphs
-    from zpp_compile.topology import forget_current_topology
-
-    torch._dynamo.reset()
-    clear_compiled_graphs()
-    forget_current_topology()
+    zpp_compile.reset()
 
 
 def benchmark_parser(description: str) -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """Two simulated nodes on one machine: network namespaces joined by a rate-limited veth link.
 
     sudo python benchmarks/cluster.py [--rates 100mbit,1gbit,none] [--steps 6]
+    sudo python benchmarks/cluster.py --grad-accum --rates 100mbit   # K=4 accumulation, sync vs no_sync
 
 Builds namespaces zpp_node0 and zpp_node1, joined by the veth pair zpp_veth0 <-> zpp_veth1
 (10.77.0.1 and 10.77.0.2, addresses that exist only inside the namespaces), and limits both ends
@@ -115,15 +116,20 @@ def link_bytes() -> int:
     return sum(int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes"))
 
 
-def measure_rates(rates: list[Optional[str]], steps: int, configs: str, timeout_s: float) -> dict:
-    """{rate: the worker's results} for each link rate, on one cluster."""
+def measure_rates(
+    rates: list[Optional[str]], steps: int, configs: Optional[str], timeout_s: float, grad_accum: bool = False
+) -> dict:
+    """{rate: the worker's results} for each link rate, on one cluster (`configs`: comma-separated
+    names of cluster_worker.py's CONFIGS; None: all of them)."""
     results = {}
     with two_node_cluster(), tempfile.TemporaryDirectory() as tmp:
         env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}  # the first rate compiles cold
         for rate in rates:
             set_link_rate(rate)
             out = os.path.join(tmp, f"{rate}.json")
-            worker = [str(ROOT / "benchmarks" / "cluster_worker.py"), "--out", out, "--steps", str(steps), "--configs", configs]
+            worker = [str(ROOT / "benchmarks" / "cluster_worker.py"), "--out", out, "--steps", str(steps)]
+            worker += ["--configs", configs] if configs else []
+            worker += ["--grad-accum"] if grad_accum else []
             run_on_cluster(worker, nproc_per_node=2, timeout_s=timeout_s, env=env)
             results[rate or "unshaped"] = json.loads(Path(out).read_text())
     return results
@@ -162,6 +168,30 @@ gather) + 0.75 x 25.2 (backward gather) + 1.5 x 25.2 (reduce-scatter) = 61.5 MB 
 on the link. For ZeRO-3 the two deviations cancel. qgZ's all-to-alls go pairwise, as modelled."""
 
 
+def accumulation_table(results: dict, command: str) -> str:
+    """Gradient accumulation, K micro-batches per optimizer step: every backward reduces (sync)
+    against zpp_compile.no_sync on the first K-1 (one reduction per step). Bytes per optimizer step,
+    summed over the 4 ranks (the communication counter), and the veth's."""
+    mb = 1e6
+    lines = [
+        f"`{command}` (the GPT above, 4 ranks = 2 namespaces x 2, K=4 micro-batches of 1 sequence per "
+        "rank per optimizer step; medians of round-robin steps after warm-up; bytes per optimizer "
+        "step summed over ranks (communication counter); 'gradient' = the backward's reductions only; "
+        "link = both directions of the veth)",
+    ]
+    for rate, configs in results.items():
+        lines += ["", f"### link {rate}", "",
+                  "| config | step ms | inter MB | intra MB | gradient inter MB | gradient intra MB | link MB |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for name, r in configs.items():
+            lines.append(
+                f"| {name} | {r['step_s'] * 1e3:.0f} | {r['counted_inter_bytes'] / mb:.2f} | "
+                f"{r['counted_intra_bytes'] / mb:.2f} | {r['reduce_inter_bytes'] / mb:.2f} | "
+                f"{r['reduce_intra_bytes'] / mb:.2f} | {r['link_bytes'] / mb:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 def plot(results: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -184,17 +214,22 @@ def plot(results: dict, path: Path) -> bool:
 
 
 def main() -> None:
-    from benchmarks.cluster_worker import CONFIGS
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="100mbit,1gbit,none", help="tc rates, 'none' for an unshaped link")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    # Not read from cluster_worker.py: the worker imports this module (link_bytes), not the reverse.
+    p.add_argument("--configs", help="comma-separated names of cluster_worker.py's CONFIGS (default: all)")
+    p.add_argument("--grad-accum", action="store_true",
+                   help="instead: gradient accumulation (K=4) with and without zpp_compile.no_sync, plain and "
+                        "qgZ (cluster_worker.py's ACCUMULATION_CONFIGS); prints its table, writes nothing")  # fmt: skip
     p.add_argument("--timeout", type=float, default=3600, help="seconds per link rate")
     args = p.parse_args()
     rates = [None if r == "none" else r for r in args.rates.split(",")]
-    results = measure_rates(rates, args.steps, args.configs, args.timeout)
+    results = measure_rates(rates, args.steps, args.configs, args.timeout, grad_accum=args.grad_accum)
     command = f"sudo python benchmarks/cluster.py --rates {args.rates} --steps {args.steps}"
+    if args.grad_accum:
+        print(accumulation_table(results, command + " --grad-accum"))
+        return
     text = table(results, command)
     if plot(results, ROOT / "docs" / "benchmarks.png"):
         text += "\n\n![step time against link rate](benchmarks.png)"

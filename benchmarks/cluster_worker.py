@@ -9,6 +9,7 @@ window holds one config's step only. The step time is the slowest rank's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -38,6 +39,19 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "DDP bf16 comm": ("ddp", {"bf16": True}),
     "DDP + Inductor": ("ddp", {"compile": True}),
 }
+# Gradient accumulation, K micro-batches of BATCH / K sequences per optimizer step (so the same
+# tokens per step as above): every backward reduce-scatters (sync), or the first K-1 run under
+# zpp_compile.no_sync and only the last reduces (benchmarks/cluster.py --grad-accum).
+GRAD_ACCUM = 4
+ACCUMULATION_CONFIGS: dict[str, tuple[str, dict]] = {
+    f"zeropp K={GRAD_ACCUM} sync": ("zeropp", {"grad_accum": GRAD_ACCUM}),
+    f"zeropp K={GRAD_ACCUM} no_sync": ("zeropp", {"grad_accum": GRAD_ACCUM, "no_sync": True}),
+    f"zeropp qgZ K={GRAD_ACCUM} sync": ("zeropp", {"grad_accum": GRAD_ACCUM, "quantize_gradients": True}),
+    f"zeropp qgZ K={GRAD_ACCUM} no_sync": (
+        "zeropp", {"grad_accum": GRAD_ACCUM, "no_sync": True, "quantize_gradients": True}
+    ),
+}
+ALL_CONFIGS = {**CONFIGS, **ACCUMULATION_CONFIGS}
 MODEL = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=256)
 BATCH = 4  # sequences per rank per step
 
@@ -48,6 +62,7 @@ def _model() -> torch.nn.Module:
 
 
 def _zeropp(options: dict) -> tuple[torch.nn.Module, Callable]:
+    options = {k: v for k, v in options.items() if k not in ("grad_accum", "no_sync")}
     model = zpp_compile.shard(_model(), zpp_compile.Config(ranks_per_node=2, **options))
     return model, torch.compile(model, backend="zeropp")
 
@@ -98,7 +113,23 @@ def build_step(kind: str, options: dict) -> Callable[[torch.Tensor], float]:
         opt.zero_grad()
         return loss.item()
 
-    return step
+    k = options.get("grad_accum", 1)
+    if k == 1:
+        return step
+
+    def accumulated_step(tokens: torch.Tensor) -> float:
+        total = 0.0
+        for i, micro in enumerate(tokens.chunk(k)):
+            quiet = options.get("no_sync") and i < k - 1
+            with zpp_compile.no_sync(model) if quiet else contextlib.nullcontext():
+                loss = run(micro[:, :-1], micro[:, 1:])
+                (loss / k).backward()
+            total += loss.item() / k
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    return accumulated_step
 
 
 def _slowest(seconds: float) -> float:
@@ -124,21 +155,35 @@ def measure(step: Callable, tokens: torch.Tensor) -> dict:
     seconds = time.perf_counter() - start
     dist.barrier()
     crossed = link_bytes() - before if dist.get_rank() == 0 else 0
-    return {"s": _slowest(seconds), "link": crossed, "counted": _sum(counter.bytes(locality="inter")), "loss": loss}
+    return {"s": _slowest(seconds), "link": crossed, "counted": _sum(counter.bytes(locality="inter")),
+            "counted_intra": _sum(counter.bytes(locality="intra")), "loss": loss,
+            "reduce_inter": _sum(_gradient_reduction_bytes(counter, "inter")),
+            "reduce_intra": _sum(_gradient_reduction_bytes(counter, "intra"))}  # fmt: skip
+
+
+def _gradient_reduction_bytes(counter: zpp_compile.CommCounter, locality: str) -> int:
+    """Bytes this rank sent reducing gradients (reduce-scatter, qgZ's all-to-alls, all-reduce)."""
+    ops = ("reduce_scatter", "all_to_all", "all_reduce")
+    return sum(counter.bytes(phase="backward", op=op, locality=locality) for op in ops)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=None, help=f"comma-separated, any of {', '.join(ALL_CONFIGS)}")
+    p.add_argument("--grad-accum", action="store_true", help="default configs: ACCUMULATION_CONFIGS")
     args = p.parse_args()
+    args.configs = args.configs or ",".join(ACCUMULATION_CONFIGS if args.grad_accum else CONFIGS)
+    # Every zeropp config is a model of one class (its frame's compiles add up), and one under
+    # no_sync compiles three variants (sync, accumulate, flush): keep them all compiled.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     dist.init_process_group("gloo")
     names = args.configs.split(",")
     tokens = torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.block_size + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     steps, first = {}, {}
     for name in names:
-        steps[name] = build_step(*CONFIGS[name])
+        steps[name] = build_step(*ALL_CONFIGS[name])
         first[name] = measure(steps[name], tokens)["s"]
         measure(steps[name], tokens)
     samples = {name: [] for name in names}
@@ -152,6 +197,9 @@ def main() -> None:
                 "step_s": statistics.median(s["s"] for s in rows),
                 "link_bytes": statistics.median(s["link"] for s in rows),
                 "counted_inter_bytes": statistics.median(s["counted"] for s in rows),
+                "counted_intra_bytes": statistics.median(s["counted_intra"] for s in rows),
+                "reduce_inter_bytes": statistics.median(s["reduce_inter"] for s in rows),
+                "reduce_intra_bytes": statistics.median(s["reduce_intra"] for s in rows),
                 "loss": rows[-1]["loss"],
             }
             for name, rows in samples.items()

@@ -1,7 +1,7 @@
 """GPU readiness check: one command, a few minutes, everything printed and written in one go.
 
     python benchmarks/gpu_check.py [--quick] [--sections env,kernels,throughput,training] [--steps 30]
-                                   [--out docs/gpu_check.md]
+                                   [--out docs/gpu_check_report.md]
 
 Sections (each runs even if another failed; the exit status is 1 if any failed):
   1. env         torch, triton, CUDA, NCCL versions, the device and its memory, the registry's choice.
@@ -74,7 +74,7 @@ SECTION_TITLES = {
     "throughput": "3. Throughput",
     "training": "4. Compiled training on one GPU against CPU",
 }
-DEFAULT_OUT = ROOT / "docs" / "gpu_check.md"
+DEFAULT_OUT = ROOT / "docs" / "gpu_check_report.md"  # docs/gpu_check.md describes the check and its findings
 CPU_INTERPRET = "cpu-interpret"
 SEVERITY = {"PASS": 0, "SKIP": 0, "WARN": 1, "FAIL": 2}
 # Wall-clock limits of the child processes (seconds): generous, so that only a hang reaches them.

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 ZERO_PP = ["--qwz", "--hpz", "2"]
@@ -29,11 +30,13 @@ MODES = {"fp32 reduce-scatter": "compiled-inductor", "qgZ (int4 all-to-all)": "c
          "qwZ+hpZ+qgZ + error feedback": "compiled-inductor+qwz+hpz2+qgz-ef"}  # fmt: skip
 
 
-def train(label: str, args: argparse.Namespace, out_dir: str) -> tuple[dict, list[float]]:
+def train(label: str, args: argparse.Namespace, out_dir: str, extra: Sequence[str] = ()) -> tuple[dict, list[float]]:
+    """One run of examples/train_gpt.py with the flags of `label` (and `extra`): its JSON summary
+    and its per-step training losses."""
     flags, mode = RUNS[label], MODES[label]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            str(ROOT / "examples" / "train_gpt.py"), "--steps", str(args.steps), "--out-dir", out_dir,
-           "--ranks-per-node", str(args.ranks_per_node), *flags]  # fmt: skip
+           "--ranks-per-node", str(args.ranks_per_node), *flags, *extra]  # fmt: skip
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
     summary = json.loads((Path(out_dir) / f"train_gpt_{mode}.json").read_text())
     with open(Path(out_dir) / f"train_gpt_{mode}.csv") as f:
@@ -41,7 +44,8 @@ def train(label: str, args: argparse.Namespace, out_dir: str) -> tuple[dict, lis
     return summary, losses
 
 
-def plot(curves: dict[str, list[float]], path: Path) -> bool:
+def plot(curves: dict[str, list[float]], path: Path, smooth: int = 1) -> bool:
+    """The loss curves (each a running mean over `smooth` steps) as a PNG; False without matplotlib."""
     try:
         import matplotlib
 
@@ -51,7 +55,9 @@ def plot(curves: dict[str, list[float]], path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1)
+        smoothed = [sum(losses[max(0, i - smooth + 1) : i + 1]) / len(losses[max(0, i - smooth + 1) : i + 1])
+                    for i in range(len(losses))]  # fmt: skip
+        ax.plot(range(1, len(losses) + 1), smoothed, label=label, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (world mean)")
     ax.legend()

@@ -23,6 +23,7 @@ installed, train_gpt_<mode>.png (the loss curve).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -74,6 +75,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--steps", type=int, default=200, help="optimizer steps")
     train.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch")
     train.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per optimizer step")
+    train.add_argument("--reduce-every-micro-batch", action="store_true",
+                       help="with --grad-accum: reduce gradients after every micro-batch instead of once per "
+                            "step (no zpp_compile.no_sync; less memory, K times the gradient bytes)")  # fmt: skip
     train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     train.add_argument("--min-lr", type=float, default=None, help="learning rate at the last step (default: --lr / 10)")
     train.add_argument("--warmup", type=int, default=10, help="steps of linear learning-rate warmup")
@@ -196,6 +200,9 @@ def main() -> None:
     bar.update(last_saved)
     write = bar.write if rank == 0 else (lambda line: None)
     counter = zpp_compile.comm_counter()
+    # --grad-accum K: the first K-1 micro-batches accumulate unsharded gradients without a reduce;
+    # the last reduces them all at once (1/K of the gradient bytes on the wire).
+    no_sync = contextlib.nullcontext if args.reduce_every_micro_batch else (lambda: zpp_compile.no_sync(model))
     step_times: list[float] = []
     first_step_s = 0.0
     for step in range(last_saved + 1, args.steps + 1):
@@ -207,10 +214,10 @@ def main() -> None:
         if step == last_saved + 1:
             label = "first step (eager)" if args.eager else "compiling (first step)"
             with FirstStepNotice(label, enabled=rank == 0, every=args.notice_every, write=write) as notice:
-                loss = forward_backward(run, loss_fn, micro_batches)
+                loss = forward_backward(run, loss_fn, micro_batches, no_sync)
             first_step_s = notice.seconds
         else:
-            loss = forward_backward(run, loss_fn, micro_batches)
+            loss = forward_backward(run, loss_fn, micro_batches, no_sync)
         grad_norm = clip_or_measure(model, args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -132,9 +132,9 @@ def forward_backward(
 
     Each micro-batch's loss is divided by their number before backward(), so the accumulated
     gradient is that of the mean loss. The first K-1 backward passes run inside `no_sync()`: a
-    context that may defer the gradient reduction to the last micro-batch (e.g.
-    `lambda: zpp_compile.no_sync(model)`, once zpp_compile has one). With the default (no
-    context) every backward reduces its gradients, which is plain accumulation.
+    context that defers the gradient reduction to the last micro-batch, e.g.
+    `lambda: zpp_compile.no_sync(model)` (model: the sharded module, or its compiled wrapper). With
+    the default (no context) every backward reduces its gradients, which is plain accumulation.
     """
     k = len(micro_batches)
     total: Optional[Tensor] = None

@@ -182,3 +182,35 @@ def infinite_timeout_and_big_blocks() -> list[str]:
 def test_an_infinite_timeout_is_accepted_and_oversized_blocks_warn(pools):
     for messages in pools(2).run(infinite_timeout_and_big_blocks):
         assert len(messages) == 1 and "pads this model's shards from" in messages[0], messages
+
+
+def shard_a_model_that_differs_between_ranks(what: str) -> str:
+    """shard() with another Config (or another parameter shape) on rank 1 than on rank 0."""
+    import torch.distributed as dist
+
+    config, hidden = zpp_compile.Config(), 29
+    if dist.get_rank() == 1:
+        if what == "config":
+            config = zpp_compile.Config(gather_bucket_bytes=0)
+        else:
+            hidden = 30
+    model = torch.nn.Sequential(torch.nn.Linear(13, hidden), torch.nn.Linear(hidden, 7))
+    try:
+        zpp_compile.shard(model, config)
+    except zpp_compile.ShardingError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "what, difference",
+    [
+        ("config", "Config.gather_bucket_bytes is 26214400 on rank 0 but 0 on rank 1"),
+        ("parameter", "parameter '0.weight' (shape (29, 13), float32) on rank 0 but '0.weight' (shape (30, 13), float32) on rank 1"),
+    ],
+)
+def test_ranks_sharding_different_configs_or_shapes_fail_together_naming_the_difference(pools, what, difference):
+    # Before, gloo aborted one rank ("Received data size doesn't match") and the other saw a dead peer.
+    messages = pools(2).run(shard_a_model_that_differs_between_ranks, what)
+    assert messages[0] == messages[1], messages  # raised on every rank, the same message
+    assert "ranks disagree on what they shard" in messages[0] and difference in messages[0], messages[0]

@@ -14,7 +14,7 @@ SKIP_MESSAGE = "no CUDA GPU: skipping gpu_check (needs a CUDA device;"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs the whole check")
 def test_without_a_gpu_it_says_so_and_exits_0_writing_nothing(tmp_path):
-    default_doc = ROOT / "docs" / "gpu_check.md"
+    default_doc = ROOT / "docs" / "gpu_check_report.md"  # the default --out
     before = default_doc.stat().st_mtime_ns if default_doc.exists() else None
     out = tmp_path / "report.md"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")

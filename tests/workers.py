@@ -108,6 +108,9 @@ class WorkerPool:
 
 def _worker_main(rank: int, world_size: int, init_method: str, tasks: Any, results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # As pyproject.toml's filterwarnings: a deprecated call of zpp_compile's own fails the task.
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("error", category=category, module="zpp_compile")
     import torch
     import torch.distributed as dist
 
@@ -131,16 +134,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, tasks: Any, resul
 
 
 def reset_process_state() -> None:
-    """Forget compiled graphs, counters and the sharding layout: the next task starts clean."""
-    import torch
-
+    """Forget compiled graphs, counters, error feedback and the sharding layout: the next task starts clean."""
     import zpp_compile
-    from zpp_compile.backend import clear_compiled_graphs
-    from zpp_compile.schedule_check import CHECKED_RUNS
-    from zpp_compile.topology import forget_current_topology
 
-    torch._dynamo.reset()
-    zpp_compile.comm_counter().reset()
-    clear_compiled_graphs()
-    forget_current_topology()
-    CHECKED_RUNS.reset()
+    zpp_compile.reset()

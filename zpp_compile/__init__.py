@@ -4,6 +4,7 @@
     model = torch.compile(model, backend="zeropp")
 """
 
+from . import compat as _compat  # noqa: F401  (first: checks the torch version and its private APIs)
 from . import ops as _ops  # noqa: F401  (registers the zpp:: custom ops)
 from .backend import (
     BACKEND_NAME,
@@ -25,8 +26,16 @@ from .comm import Collective, CommCounter, comm_counter
 from .config import Config
 from .error_feedback import clear_error_feedback
 from .explain import explain
+from .grad_sync import (
+    PendingGradientsError,
+    clear_gradient_buffers,
+    no_sync,
+    pending_gradient_bytes,
+    set_requires_gradient_sync,
+)
 from .faults import CollectiveError
 from .plan import CommPlan, peak_collective_bytes
+from .process_state import reset
 from .schedule_check import ScheduleMismatchError
 from .clip import clip_grad_norm_, get_total_norm
 from .initialize import materialize
@@ -47,12 +56,14 @@ __all__ = [
     "Config",
     "DistributedNotInitializedError",
     "NotShardedError",
+    "PendingGradientsError",
     "RecompileStormWarning",
     "ScheduleMismatchError",
     "ShardingError",
     "Topology",
     "comm_counter",
     "clear_error_feedback",
+    "clear_gradient_buffers",
     "clip_grad_norm_",
     "compiled_graphs",
     "explain",
@@ -65,9 +76,13 @@ __all__ = [
     "load_checkpoint",
     "load_optimizer_state_dict",
     "materialize",
+    "no_sync",
     "optimizer_state_dict",
     "peak_collective_bytes",
+    "pending_gradient_bytes",
+    "reset",
     "save_checkpoint",
+    "set_requires_gradient_sync",
     "shard",
     "zeropp_backend",
 ]

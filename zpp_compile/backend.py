@@ -26,9 +26,10 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from . import comm, passes
+from . import comm, compat, passes
 from .faults import explained_collective_failures
 from .plan import as_scheduled, collectives_in, marker_schedule
+from .process_state import register_reset
 from .schedule_check import CHECKED_RUNS, Schedule, current_parameter_names, maybe_check, parameter_names
 from .layout import ShardedState, shard_spec, state_of_shard
 from .topology import require_initialized
@@ -69,6 +70,7 @@ def compiled_graphs() -> list[GraphRecord]:
     return [_RECORDS[k] for k in sorted(_RECORDS)]
 
 
+@register_reset
 def clear_compiled_graphs() -> None:
     _RECORDS.clear()
 
@@ -76,6 +78,7 @@ def clear_compiled_graphs() -> None:
 def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable:
     """torch.compile backend entry: compile one Dynamo graph of a model sharded by zpp_compile.shard."""
     require_initialized("torch.compile(backend='zeropp')")
+    compat.check_lazy_private_apis()
     state = _sharded_state_of(gm, example_inputs)
     if state is None:
         # A graph without parameters (e.g. after a graph break): nothing to shard in it.

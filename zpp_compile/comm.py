@@ -18,6 +18,7 @@ from typing import Iterable, Iterator, Literal, Optional
 import torch
 import torch.distributed as dist
 
+from .process_state import register_reset
 from .topology import Topology
 
 CollectiveOp = Literal["all_gather", "reduce_scatter", "all_to_all", "all_reduce"]
@@ -136,6 +137,7 @@ class CommCounter:
 
 
 _COUNTER = CommCounter()
+register_reset(_COUNTER.reset)
 
 
 def comm_counter() -> CommCounter:

@@ -1,4 +1,8 @@
-"""The one configuration object of zpp_compile: a frozen dataclass, validated on construction."""
+"""The one configuration object of zpp_compile: a frozen dataclass, validated on construction.
+
+Each field's documentation is written once, next to the field (its `doc` metadata): Config's
+docstring lists them, and README.md's Config table is config_table_markdown() pasted in
+(tests/test_config_docs.py keeps the two equal)."""
 
 from __future__ import annotations
 
@@ -15,101 +19,180 @@ if TYPE_CHECKING:
 # The schedule check's default: the first 8 checked runs of a process (schedule_check.py).
 DEFAULT_CHECKED_RUNS = 8
 
+# The cost model's fixed costs (cost_model.py), defaults of Config.collective_latency_us and
+# Config.kernel_us. Order-of-magnitude figures, not measured by zpp_compile: a small collective
+# between nodes (NCCL over InfiniBand or RoCE) takes tens of microseconds whatever its size, and
+# launching one GPU kernel a few. Only the overlap scheduling reads them (how much compute hides a
+# gather); a measured value, e.g. the time of an all-gather of a few bytes, can replace them.
+DEFAULT_COLLECTIVE_LATENCY_US = 50.0
+DEFAULT_KERNEL_US = 5.0
+
 Lowering = Literal["inductor", "aot_eager"]
+
+
+def _field(default: Any, doc: str) -> Any:
+    """A Config field with its documentation: the one source of the class docstring's Attributes
+    and of README.md's Config table (config_table_markdown(); tests/test_config_docs.py)."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """How `zpp_compile.shard` partitions a model and how the "zeropp" backend compiles it.
 
-    Attributes:
-        quantize_weights: qwZ, int8 block-quantized forward all-gather (compiled path only; the
-            eager reference path gathers full precision).
-        weight_block_size: elements per quantization block for qwZ (one scale per block).
-        quantize_frozen_weights: store every frozen parameter (requires_grad=False at shard()
-            time) as its packed int8 payload, quantized once: its gathers, forward and backward,
-            then move int8 and need no quantize step, and its shard takes ~1/4 of fp32 memory.
-            The LoRA / fine-tuning case. Works with or without quantize_weights.
-        hpz_size: hpZ: after the forward gather each rank keeps 1/hpz_size of every weight it
-            needs in backward, and the backward gather runs over hpz_size ranks of one node
-            instead of the world. Must divide ranks_per_node; None or 1 turns hpZ off.
-        hpz_quantized_secondary: with hpZ and qwZ (or frozen weights stored int8), keep the
-            secondary shard as the int8 payloads the forward gathered, not dequantized: the same
-            backward values, 1/4 (fp32) or 1/2 (16-bit) of the saved memory and of the bytes.
-        quantize_gradients: qgZ, int4 hierarchical all-to-all gradient reduce-scatter (compiled path
-            only): int4 inside the node, re-quantized int4 across nodes, averaged once in fp32.
-        gradient_block_size: elements per int4 block for qgZ (one fp32 scale per block), a
-            multiple of 8; 128 by measurement (docs/qgz_block_size.md).
-        qgz_error_feedback: each rank adds the int4 error of its last send back into the next
-            one (LoCo-style), at both qgZ stages. Costs bf16 state of about one unsharded
-            gradient per rank; off by default (see docs/qgz_convergence.md for the measurement).
-        gather_bucket_bytes: neighbouring all-gathers of one group and dtype travel as one
-            collective up to this many bytes (as sent: int8 payloads under qwZ); 0: one each.
-        reduce_bucket_bytes: the same for gradient reduce-scatters, and for qgZ's all-to-alls
-            (there counted in the gradients' dtype, before int4).
-        prefetch_limit: how many collectives may be in flight at once (0 turns the overlap
-            scheduling off: each collective is issued where its result is needed, then waited).
-            Each gather is issued early enough to hide behind the compute before it, by the cost
-            model, and each wait sits right before the first use of its result.
-        prefetch_bytes: and how many bytes (as received) those in-flight collectives may hold.
-        intra_node_gbps, inter_node_gbps, compute_tflops: the cost model's link bandwidths
-            (Gbit/s per rank) and compute rate; None measures them once in shard() (the slowest
-            rank's value, so every rank decides alike).
-        collective_timeout_s: how long a collective waits for a rank that does not arrive before
-            every waiting rank fails with a CollectiveError naming the graph (a rank that dies
-            fails its peers at once). shard() then creates zpp_compile's own process groups,
-            the world-wide one included, with this timeout. None: the default process group's
-            timeout (torch.distributed.init_process_group(timeout=...)) and its world group.
-        check_schedule: before a checked compiled-graph run or eager collective, every rank
-            compares a digest of the collectives it is about to issue and of the parameters they
-            carry; a difference raises ScheduleMismatchError on every rank naming the first
-            differing collective and parameter, instead of hanging or mixing parameters. An int
-            N checks the first N runs of the process (default 8: cheap, one small all-gather per
-            run); True checks every run (debug; also ZPP_CHECK_SCHEDULE=1); False none.
-        param_dtype: mixed precision, in the spirit of FSDP2's MixedPrecisionPolicy: the shards
-            (which the optimizer steps on) keep their dtype, e.g. fp32 masters; each gather casts
-            the shard to param_dtype first, so the wire and the forward/backward compute carry
-            it. qwZ quantizes straight from the master shard and dequantizes to param_dtype.
-            Floating-point inputs of the root module's forward are cast to it too (like FSDP2's
-            cast_forward_inputs), so float activations meet weights of their dtype. None: off.
-        reduce_dtype: the dtype gradients are reduce-scattered (averaged) in; None: param_dtype
-            (or the gradient's own dtype), except fp32 under param_dtype=torch.float16, whose sum
-            over many ranks overflows. (fp16 also needs loss scaling whose inf check spans all
-            ranks: each rank sees only its own gradient shards; prefer bf16.) The averaged shard gradient is then cast to the
-            shard's dtype. qgZ reads the gradient in this dtype and quantizes it to int4.
-        ranks_per_node: ranks per node; None reads torchrun's LOCAL_WORLD_SIZE, else one node.
-            Setting it simulates several nodes on one machine.
-        save_gathered_weights: keep gathered full weights from forward for backward instead of
-            re-gathering them there (trades the ZeRO-3 memory bound for one fewer all-gather).
-        lowering: "inductor" (default) compiles the rewritten graphs with Inductor;
-            "aot_eager" runs them as plain FX graphs, for debugging the passes.
-        dump_graphs_dir: write every graph before and after every pass to this folder
-            (also set by the environment variable ZPP_DUMP_GRAPHS).
+    Every field is a keyword argument; what each means is written next to it below (the `doc` of
+    its dataclasses.field metadata), listed under Attributes at the end of this docstring and in
+    README.md's Config table.
     """
 
-    quantize_weights: bool = False
-    weight_block_size: int = 256
-    quantize_frozen_weights: bool = False
-    hpz_size: Optional[int] = None
-    hpz_quantized_secondary: bool = True
-    quantize_gradients: bool = False
-    gradient_block_size: int = 128
-    qgz_error_feedback: bool = False
-    gather_bucket_bytes: int = 25 * 2**20
-    reduce_bucket_bytes: int = 25 * 2**20
-    prefetch_limit: int = 2
-    prefetch_bytes: int = 256 * 2**20
-    intra_node_gbps: Optional[float] = None
-    inter_node_gbps: Optional[float] = None
-    compute_tflops: Optional[float] = None
-    collective_timeout_s: Optional[float] = None
-    check_schedule: Union[bool, int] = DEFAULT_CHECKED_RUNS
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-    ranks_per_node: Optional[int] = None
-    save_gathered_weights: bool = False
-    lowering: Lowering = "inductor"
-    dump_graphs_dir: Optional[str] = None
+    quantize_weights: bool = _field(
+        False,
+        "qwZ: the compiled forward all-gathers each weight as one int8 payload (int8 blocks, then one fp32 "
+        "scale per block) and dequantizes it to the parameter's dtype (`param_dtype` under mixed precision). "
+        "Backward gathers stay full precision; the eager path is not quantized",
+    )
+    weight_block_size: int = _field(
+        256,
+        "elements per int8 block (one scale each), a multiple of 8. 256 is the knee measured in "
+        "docs/qwz_kernels_cpu.md: scales add 1.56% to the wire; 64 cuts the error by 15% for 4x the scale "
+        "bytes and a 2.6x slower quantize, 1024 saves 1.2% of bytes for 13% more error (59% more on "
+        "heavy-tailed weights)",
+    )
+    quantize_frozen_weights: bool = _field(
+        False,
+        "parameters with `requires_grad=False` at `shard()` are stored as their int8 payload, quantized once: "
+        "~1/4 of the fp32 shard memory, and their gathers (forward and backward) move int8 with no quantize "
+        "step. For LoRA / fine-tuning; works with or without `quantize_weights`. `full_state_dict` returns "
+        "their dequantized values",
+    )
+    hpz_size: Optional[int] = _field(
+        None,
+        "hpZ: after each forward gather, a rank keeps its 1/K of the weights the backward needs (a tensor "
+        "handed from forward to backward, nothing kept between steps); the backward gathers them over the K "
+        "ranks of its node instead of the world, so backward weight gathers cross no node boundary. K must "
+        "divide `ranks_per_node` (a warning on a single node, where hpZ saves nothing); `None`/1 is off. "
+        "Compiled path only",
+    )
+    hpz_quantized_secondary: bool = _field(
+        True,
+        "with hpZ and qwZ (or frozen int8 weights), keep the secondary shard as the int8 payloads the forward "
+        "gathered: the backward dequantizes the same bytes the forward did, for 1/4 (fp32) or 1/2 (16-bit) of "
+        "the memory and intra-node bytes of the dequantized alternative (`False`)",
+    )
+    quantize_gradients: bool = _field(
+        False,
+        "qgZ: each gradient reduce-scatter becomes int4 quantize (chunks reordered by destination) -> "
+        "all-to-all in the node -> dequantize, sum, re-quantize -> all-to-all across nodes -> dequantize, sum, "
+        "divide by the world once, in fp32. Inter-node gradient bytes: 1/8 of fp32 plus one scale per block. "
+        "Compiled path only",
+    )
+    gradient_block_size: int = _field(
+        128,
+        "elements per int4 block for qgZ (one fp32 scale each), a multiple of 8. 128 is the knee measured in "
+        "docs/qgz_block_size.md: scales add 6.25% to the int4 bytes; 64 cuts the error on real GPT gradients "
+        "by 8% for twice the scale bytes, 256 saves 3.1% of bytes for 14% more error",
+    )
+    qgz_error_feedback: bool = _field(
+        False,
+        "qgZ with error feedback (LoCo-style): each rank adds the int4 error of its last send back into the "
+        "next, at both stages, so the compressed gradient is unbiased over time. State: bf16, about one "
+        "unsharded gradient per rank; off by default (docs/qgz_convergence.md has the measurement). "
+        "`zpp_compile.clear_error_feedback()` drops it",
+    )
+    gather_bucket_bytes: int = _field(
+        25 * 2**20,
+        "neighbouring all-gathers of one group and dtype travel as one collective up to this many bytes as "
+        "sent (int8 payloads under qwZ); Inductor's own bucketing pass does the merge. 0: one collective per "
+        "parameter",
+    )
+    reduce_bucket_bytes: int = _field(
+        25 * 2**20,
+        "the same for gradient reduce-scatters, and for qgZ's all-to-all pairs (counted there in the "
+        "gradients' dtype; whole int4 blocks per parameter, so bucketing does not change the result)",
+    )
+    prefetch_limit: int = _field(
+        2,
+        "collectives in flight at once. Each gather starts early enough, by the cost model, to hide behind "
+        "the compute before it; each wait sits right before the first use. 0 turns overlap scheduling off "
+        "(each collective is issued where its result is needed, then waited)",
+    )
+    prefetch_bytes: int = _field(256 * 2**20, "and the most bytes (as received) those in-flight collectives may hold")
+    intra_node_gbps: Optional[float] = _field(
+        None,
+        "the cost model's bandwidth between ranks of one node, Gbit/s per rank; `None` measures it once in "
+        "`shard()` (one all-gather; the slowest rank's value, so all ranks decide alike)",
+    )
+    inter_node_gbps: Optional[float] = _field(
+        None,
+        "the cost model's bandwidth between nodes, Gbit/s per rank; `None`: measured with `intra_node_gbps`",
+    )
+    compute_tflops: Optional[float] = _field(
+        None,
+        "the cost model's compute rate, TFLOP/s; `None` measures it once in `shard()` (one matmul; the "
+        "slowest rank's value)",
+    )
+    collective_latency_us: float = _field(
+        DEFAULT_COLLECTIVE_LATENCY_US,
+        "the cost model's fixed cost of one collective, microseconds, added to its bytes / bandwidth; the "
+        "default is the order of a small inter-node NCCL collective (put a measured one here: the time of an "
+        "all-gather of a few bytes)",
+    )
+    kernel_us: float = _field(
+        DEFAULT_KERNEL_US,
+        "the cost model's fixed cost of one compute kernel, microseconds, added to its FLOPs / "
+        "`compute_tflops`; the default is the order of one GPU kernel launch",
+    )
+    collective_timeout_s: Optional[float] = _field(
+        None,
+        "seconds a collective issued by zpp_compile waits for a missing rank before every waiting rank raises "
+        "`CollectiveError` naming the graph (a rank that dies fails its peers at once); `shard()` then creates "
+        "zpp_compile's own process groups (a world-wide one included) with this timeout; `float('inf')`: "
+        "never time out. `None`: world-wide collectives use the default process group and its timeout "
+        "(hpZ/qgZ sub-groups get torch's default timeout for new groups). Keep it above how far ranks can "
+        "drift apart without a fault (first compile); docs/faults.md",
+    )
+    check_schedule: Union[bool, int] = _field(
+        DEFAULT_CHECKED_RUNS,
+        "`bool` or `int`: before each of the first N compiled-graph runs and eager collectives of the process, "
+        "every rank all-gathers a 16-byte digest of the collectives it is about to issue and the parameters "
+        "they carry; a difference raises `ScheduleMismatchError` on every rank naming the first differing "
+        "collective and parameter, instead of hanging or mixing parameters. Never blocks a correct program. "
+        "`True` (also `ZPP_CHECK_SCHEDULE=1`): every run, for debugging; `False`: off. docs/faults.md",
+    )
+    param_dtype: Optional[torch.dtype] = _field(
+        None,
+        "mixed precision (in the spirit of FSDP2's `MixedPrecisionPolicy`): the dtype every gather casts the "
+        "shard to before the wire, and the forward/backward compute dtype (e.g. `torch.bfloat16`). The shards "
+        "the optimizer steps on keep their own dtype (fp32 masters). Floating-point inputs of the root "
+        "module's forward are cast to it; buffers are not. Under qwZ the master shard is quantized and "
+        "dequantized to this dtype. `None`: off",
+    )
+    reduce_dtype: Optional[torch.dtype] = _field(
+        None,
+        "the dtype gradients are reduce-scattered (averaged) in, then cast to the shard's dtype; `None`: "
+        "`param_dtype` (else the gradient's own), except fp32 under `param_dtype=torch.float16`, whose sum "
+        "over many ranks overflows (fp16 also needs loss scaling whose inf check spans all ranks, which "
+        "zpp_compile does not provide: prefer bf16). qgZ reads the gradient in this dtype before quantizing "
+        "it to int4",
+    )
+    ranks_per_node: Optional[int] = _field(
+        None,
+        "ranks per node; `None` reads torchrun's `LOCAL_WORLD_SIZE`, else one node. Set it to simulate "
+        "several nodes on one machine",
+    )
+    save_gathered_weights: bool = _field(
+        False,
+        "keep gathered weights from forward for backward instead of re-gathering them there (trades the "
+        "ZeRO-3 memory bound for one fewer all-gather)",
+    )
+    lowering: Lowering = _field(
+        "inductor",
+        "`\"inductor\"` compiles the rewritten graphs with Inductor; `\"aot_eager\"` runs them as plain FX "
+        "graphs, for debugging the passes",
+    )
+    dump_graphs_dir: Optional[str] = _field(
+        None, "dump every graph before/after every pass to this folder (also `ZPP_DUMP_GRAPHS=dir`)"
+    )
 
     def __post_init__(self) -> None:
         _require_bool(self, "quantize_weights")
@@ -128,6 +211,8 @@ class Config:
         _require_int(self, "prefetch_bytes", minimum=0)
         for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops"):
             _require_positive_or_none(self, name, none_means="measure it in shard()")
+        for name in ("collective_latency_us", "kernel_us"):
+            _require_non_negative_number(self, name)
         _require_positive_or_none(
             self, "collective_timeout_s", none_means="use the process group's timeout (float('inf'): never time out)"
         )
@@ -192,6 +277,35 @@ class Config:
         return os.fspath(self.dump_graphs_dir) if self.dump_graphs_dir else os.environ.get("ZPP_DUMP_GRAPHS") or None
 
 
+def _shown_default(value: Any) -> str:
+    """A default as README's Config table shows it: `None`, `False`, `"inductor"`, 256, 25 MiB."""
+    if value is None or isinstance(value, bool):
+        return f"`{value}`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    if isinstance(value, int) and value >= 2**20 and value % 2**20 == 0:
+        return f"{value // 2**20} MiB"
+    return f"{value:g}"
+
+
+def config_table_markdown() -> str:
+    """README.md's Config table (field | default | meaning), written from the fields' documentation."""
+    rows = ["| field | default | meaning |", "| --- | --- | --- |"]
+    for f in dataclasses.fields(Config):
+        rows.append(f"| `{f.name}` | {_shown_default(f.default)} | {f.metadata['doc']} |")
+    return "\n".join(rows)
+
+
+def _attributes_section() -> str:
+    lines = ["", "    Attributes:"]
+    for f in dataclasses.fields(Config):
+        lines.append(f"        {f.name} (default {f.default!r}): {f.metadata['doc'].replace('`', '')}.")
+    return "\n".join(lines) + "\n"
+
+
+Config.__doc__ = (Config.__doc__ or "") + _attributes_section()
+
+
 def _require_bool(config: Config, name: str) -> None:
     value = getattr(config, name)
     if not isinstance(value, bool):
@@ -252,6 +366,12 @@ def _is_fsdp2_mixed_precision_policy(value: object) -> bool:
     except ImportError:  # a torch built without torch.distributed has no policy to mistake
         return False
     return isinstance(value, MixedPrecisionPolicy)
+
+
+def _require_non_negative_number(config: Config, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise ValueError(f"Config.{name}={value!r} must be a finite number >= 0 (microseconds).")
 
 
 def _require_positive_or_none(config: Config, name: str, *, none_means: str) -> None:

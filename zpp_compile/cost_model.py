@@ -4,9 +4,11 @@ Collective time = latency + bytes this rank sends / bandwidth of the link it cro
 bytes are those that really travel (int8/int4 payloads under qwZ/qgZ) and the link is the slower
 one the group spans (inter-node when the group has members on two nodes). Compute time = FLOPs
 (torch.utils.flop_counter's formulas: matmuls, convolutions, attention) / a FLOP rate, plus a fixed
-per-kernel cost for everything else. Rates come from the Config or are measured once, in shard(),
-and then reduced to the slowest rank's value, so every rank holds the same model and the passes
-take the same decisions (passes/README.md, invariant 1).
+per-kernel cost (all a kernel without a FLOP formula costs). The latency and the per-kernel cost are
+Config.collective_latency_us and Config.kernel_us (config.py says where their defaults come from).
+Rates come from the Config or are measured once, in shard(), and then reduced to the slowest
+rank's value, so every rank holds the same model and the passes take the same decisions
+(passes/README.md, invariant 1).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from .compat import all_gather_single
-from .config import Config
+from .config import DEFAULT_COLLECTIVE_LATENCY_US, DEFAULT_KERNEL_US, Config
 
 _PROBE_BYTES = 4 * 2**20
 _PROBE_MATMUL = 512
@@ -33,8 +35,8 @@ class CostModel:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     flops_per_s: float
-    latency_s: float = 50e-6
-    kernel_s: float = 5e-6
+    latency_s: float = DEFAULT_COLLECTIVE_LATENCY_US / 1e6  # fixed cost of one collective
+    kernel_s: float = DEFAULT_KERNEL_US / 1e6  # fixed cost of one compute kernel
 
     def collective_seconds(self, bytes_sent: int, crosses_nodes: bool) -> float:
         bandwidth = self.inter_node_bytes_per_s if crosses_nodes else self.intra_node_bytes_per_s
@@ -71,6 +73,8 @@ def build_cost_model(
         intra_node_bytes_per_s=config.intra_node_gbps * 1e9 / 8 if config.intra_node_gbps else bandwidth,
         inter_node_bytes_per_s=config.inter_node_gbps * 1e9 / 8 if config.inter_node_gbps else bandwidth,
         flops_per_s=config.compute_tflops * 1e12 if config.compute_tflops else measured[1],
+        latency_s=config.collective_latency_us / 1e6,
+        kernel_s=config.kernel_us / 1e6,
     )
 
 

@@ -34,6 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .codegen.quantize import ceil_div
+
 aten = torch.ops.aten
 
 _MESHES: dict[tuple[str, str], DeviceMesh] = {}
@@ -197,7 +199,7 @@ def _select_row(op: Any, args: tuple, kwargs: dict) -> Any:
     if not _ours(target) or dim not in (0, -target.dim()) or not isinstance(target.placements[0], Shard):
         return stock(op, args, kwargs)
     index = index + target.shape[0] if index < 0 else index
-    rows = -(-target.shape[0] // target.device_mesh.size())
+    rows = ceil_div(target.shape[0], target.device_mesh.size())
     owner = index // rows
     local = target._local_tensor
     mesh = target.device_mesh

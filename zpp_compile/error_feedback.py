@@ -10,62 +10,74 @@ feeds the store, so they run in order. Errors are kept in bfloat16: the state is
 of one unsharded gradient copy per rank (2 bytes x parameters x (1 + 1/ranks_per_node)), half of
 what fp32 would take.
 
-Slots belong to a compiled graph, not to a parameter: a recompiled graph gets fresh slots (its
-error starts at zero; the old graph's state stays until clear_error_feedback()), and a graph that
-Dynamo reuses for several modules in one backward is refused (SharedErrorSlotError). Errors are
-stored in the units of the gradient: with a loss scaler, a scale change makes the carried error
-off by that factor for one step.
-
-Slots are numbered per model (per shard() call, its plan id) in the order its graphs create them,
-which is the same in every run of the same training script: a checkpoint saves a model's errors
-by that number (error_state) and a resumed run puts them back (restore_error_state) before its
-graphs are compiled, so the recompiled graphs pick them up.
+A slot belongs to a quantization point of a model's gradients: its key names the model (the
+plan id of its shard() call), the bucket (its first parameter's name and its length) and the
+stage. A recompiled graph (new shapes, a guard failure) reduces the same bucket into the same
+slot, so its error carries over instead of restarting at zero, and the key is the same in every
+run of the same script, which is what a checkpoint saves the errors under (error_state) and a
+resumed run puts them back by (restore_error_state), whatever order its graphs compile in. A
+graph that Dynamo reuses for several modules in one backward would store one slot twice and is
+refused (SharedErrorSlotError). Errors are stored in the units of the gradient: with a loss
+scaler, a scale change makes the carried error off by that factor for one step.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
+
+from .process_state import register_reset
 
 STATE_DTYPE = torch.bfloat16
 
 _ERRORS: dict[int, Tensor] = {}
 _STORED_IN: dict[int, int] = {}  # slot -> the autograd graph task (one backward call) that stored it
-_SLOTS: dict[int, Iterator[int]] = {}  # plan id -> the numbers of its next slots
-SLOTS_PER_PLAN = 1 << 20  # slot = plan id * SLOTS_PER_PLAN + its number within the plan
+_NUMBERS: Iterator[int] = itertools.count()  # slots are ints: what a custom op's schema carries
+_SLOT_OF: dict[tuple[int, str], int] = {}  # (plan id, key) -> slot
+_KEY_OF: dict[int, tuple[int, str]] = {}  # slot -> (plan id, key)
 
 
 class SharedErrorSlotError(RuntimeError):
     pass
 
 
-def new_slot(plan_id: int = -1) -> int:
-    """A fresh state slot of the model `plan_id`, one per quantization point of a compiled graph
-    (-1: slots of no model, for tests of the kernels)."""
-    index = next(_SLOTS.setdefault(plan_id, itertools.count()))
-    return (plan_id + 1) * SLOTS_PER_PLAN + index
+def new_slot(plan_id: int = -1, key: Optional[str] = None) -> int:
+    """The state slot of the quantization point `key` of the model `plan_id`: the same slot for
+    the same key, however many graphs ask. Without a key, a slot of its own (kernel tests)."""
+    if key is None:
+        return next(_NUMBERS)
+    if (plan_id, key) not in _SLOT_OF:
+        slot = next(_NUMBERS)
+        _SLOT_OF[(plan_id, key)], _KEY_OF[slot] = slot, (plan_id, key)
+    return _SLOT_OF[(plan_id, key)]
 
 
-def error_state(plan_id: int) -> dict[int, Tensor]:
-    """The stored errors of the model `plan_id`, by slot number within it (for checkpoints)."""
-    first = (plan_id + 1) * SLOTS_PER_PLAN
-    return {slot - first: t for slot, t in _ERRORS.items() if first <= slot < first + SLOTS_PER_PLAN}
+def error_state(plan_id: int) -> dict[str, Tensor]:
+    """The stored errors of the model `plan_id`, by slot key (for checkpoints)."""
+    return {_KEY_OF[slot][1]: t for slot, t in _ERRORS.items() if _KEY_OF.get(slot, (None,))[0] == plan_id}
 
 
-def restore_error_state(plan_id: int, errors: dict[int, Tensor]) -> None:
+def restore_error_state(plan_id: int, errors: dict[str, Tensor]) -> None:
     """Put back errors saved by error_state (from another process too) for the model `plan_id`."""
-    first = (plan_id + 1) * SLOTS_PER_PLAN
-    for index, t in errors.items():
-        _ERRORS[first + int(index)] = t.detach().to(STATE_DTYPE).clone()
+    for key, t in errors.items():
+        _ERRORS[new_slot(plan_id, key)] = t.detach().to(STATE_DTYPE).clone()
 
 
 def clear_error_feedback() -> None:
     """Drop every stored error (e.g. between unrelated runs)."""
     _ERRORS.clear()
     _STORED_IN.clear()
+
+
+@register_reset
+def _forget_errors_and_slots() -> None:
+    """zpp_compile.reset(): the errors and the slot keys (compiled graphs are gone too)."""
+    clear_error_feedback()
+    _SLOT_OF.clear()
+    _KEY_OF.clear()
 
 
 def stored_error_bytes() -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor, nn
 
+from .codegen.quantize import ceil_div
 from .config import Config
 from .topology import Topology
 
@@ -63,7 +64,7 @@ class ShardSpec:
     @property
     def rows_per_rank(self) -> int:
         """Rows of dim 0 in every rank's padded chunk (torch.chunk's chunk size)."""
-        return 1 if self.replicated else -(-self.shape[0] // self.group_size)
+        return 1 if self.replicated else ceil_div(self.shape[0], self.group_size)
 
     @property
     def row_numel(self) -> int:
@@ -111,6 +112,8 @@ class ShardedState:
     cost_model: Optional["CostModel"] = None
     plan_id: int = 0  # this shard() call's number in the process (ShardSpec.plan_id)
     recompile_storm_reported: bool = False
+    # "sync", "accumulate" (under no_sync) or "flush" (synchronised, gradients pending): grad_sync.py
+    grad_sync: str = "sync"
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import comm, schedule_check
+from . import grad_sync as _grad_sync
 from .codegen.quantize import weight_from_payloads
 from .compat import all_gather_single, reduce_scatter_single
 from .faults import explained_collective_failures
@@ -40,6 +41,8 @@ def gather_param(
     dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     fqn: str = "",
+    grad_sync: str = "sync",
+    plan_id: int = -1,
 ) -> Tensor:
     """All-gather one parameter from every rank's part and return the full, unpadded weight.
 
@@ -48,14 +51,19 @@ def gather_param(
     buffer is the full tensor followed by zeros. Mixed precision (Config.param_dtype /
     reduce_dtype): `dtype` is the dtype the part is cast to before the gather (so the wire and
     the compute carry it); the gradient is cast to `reduce_dtype` before its reduce-scatter.
-    Both None: the part's own dtype throughout.
+    Both None: the part's own dtype throughout. `grad_sync` / `plan_id` say what the backward does
+    with the gradient (grad_sync.py: "sync" reduces it, "accumulate" keeps it in zpp_compile's
+    buffer for `fqn`, "flush" reduces it plus that buffer).
     """
     flat = pad_flat(local.reshape(-1), shard_numel).to(dtype or local.dtype)
     return _eager_all_gather(flat, group_size, group_name, fqn)[:numel].view(shape)
 
 
 @gather_param.register_fake
-def _(local, numel, shape, shard_numel, group_size, group_name, *, dtype=None, reduce_dtype=None, fqn="") -> Tensor:
+def _(
+    local, numel, shape, shard_numel, group_size, group_name, *,
+    dtype=None, reduce_dtype=None, fqn="", grad_sync="sync", plan_id=-1,
+) -> Tensor:  # fmt: skip
     return local.new_empty(shape, dtype=dtype or local.dtype)
 
 
@@ -68,6 +76,8 @@ def replicated_param(
     dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     fqn: str = "",
+    grad_sync: str = "sync",
+    plan_id: int = -1,
 ) -> Tensor:
     """A parameter every rank holds whole (DTensor Replicate; 0-d parameters): nothing to gather,
     but its gradient is averaged over the group (zpp::all_reduce_grad). Returns a copy in `dtype`."""
@@ -75,7 +85,7 @@ def replicated_param(
 
 
 @replicated_param.register_fake
-def _(local, group_size, group_name, *, dtype=None, reduce_dtype=None, fqn="") -> Tensor:
+def _(local, group_size, group_name, *, dtype=None, reduce_dtype=None, fqn="", grad_sync="sync", plan_id=-1) -> Tensor:
     return torch.empty_like(local, dtype=dtype or local.dtype)
 
 
@@ -187,12 +197,17 @@ def _setup_gather_context(ctx, inputs, keyword_only_inputs, output) -> None:
     ctx.local_shape = local.shape
     ctx.reduce_dtype = keyword_only_inputs.get("reduce_dtype")
     ctx.fqn = keyword_only_inputs.get("fqn", "")
+    ctx.grad_sync = keyword_only_inputs.get("grad_sync", _grad_sync.SYNC)
+    ctx.plan_id = keyword_only_inputs.get("plan_id", -1)
 
 
 def _gather_backward(ctx, grad: Tensor):
     # A gradient returned in another dtype than the part's is cast to it by autograd: after the
     # reduce-scatter, so the reduction itself runs in reduce_dtype.
     grad = grad.to(ctx.reduce_dtype or grad.dtype).contiguous()
+    grad = _grad_sync.backward_of(grad, ctx.grad_sync, ctx.plan_id, ctx.fqn)
+    if grad is None:  # accumulated under no_sync: nothing reduced, the shard's gradient untouched
+        return None, None, None, None, None, None
     padded = torch.ops.zpp.reduce_grad(grad, ctx.numel, ctx.shard_numel, ctx.group_size, ctx.group_name, fqn=ctx.fqn)
     local_grad = padded[: math.prod(ctx.local_shape)].view(ctx.local_shape)
     return local_grad, None, None, None, None, None
@@ -205,10 +220,14 @@ def _setup_replicated_context(ctx, inputs, keyword_only_inputs, output) -> None:
     _, ctx.group_size, ctx.group_name = inputs
     ctx.reduce_dtype = keyword_only_inputs.get("reduce_dtype")
     ctx.fqn = keyword_only_inputs.get("fqn", "")
+    ctx.grad_sync = keyword_only_inputs.get("grad_sync", _grad_sync.SYNC)
+    ctx.plan_id = keyword_only_inputs.get("plan_id", -1)
 
 
 def _replicated_backward(ctx, grad: Tensor):
-    grad = grad.to(ctx.reduce_dtype or grad.dtype)
+    grad = _grad_sync.backward_of(grad.to(ctx.reduce_dtype or grad.dtype), ctx.grad_sync, ctx.plan_id, ctx.fqn)
+    if grad is None:
+        return None, None, None
     return torch.ops.zpp.all_reduce_grad(grad, ctx.group_size, ctx.group_name, fqn=ctx.fqn), None, None
 
 

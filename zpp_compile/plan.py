@@ -10,26 +10,20 @@ import torch
 import torch.fx as fx
 
 from .comm import Collective, Phase, group_ranks
+from .passes.graph_utils import COLLECTIVE_OPS
 from .passes.tag_parameter_inputs import PARAM_INPUT
 from .schedule_check import ScheduledCollective, input_placeholder
 from .topology import Topology
 
 _c10d = torch.ops._c10d_functional
 _ALIAS_PASSING = (_c10d.wait_tensor.default, operator.getitem)
-_COLLECTIVE_OPS = {
-    _c10d.all_gather_into_tensor.default: "all_gather",
-    _c10d.all_gather_into_tensor_out.default: "all_gather",  # as Inductor's bucketing writes it
-    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
-    _c10d.all_to_all_single.default: "all_to_all",
-    _c10d.all_reduce.default: "all_reduce",
-}
 
 
 def collectives_in(gm: fx.GraphModule, phase: Phase, label: str) -> list[Collective]:
     """Every functional collective in `gm`, in graph order, with its payload as this rank sends it."""
     found = []
     for node in gm.graph.nodes:
-        op = _COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
+        op = COLLECTIVE_OPS.get(node.target) if node.op == "call_function" else None
         if op is None:
             continue
         payload = node.args[0].meta["val"]
@@ -106,7 +100,7 @@ def peak_collective_bytes(gm: fx.GraphModule) -> int:
     spans = [
         (position[n], _last_use(n, position), n.meta["val"].numel() * n.meta["val"].element_size())
         for n in nodes
-        if n.op == "call_function" and n.target in _COLLECTIVE_OPS
+        if n.op == "call_function" and n.target in COLLECTIVE_OPS
     ]
     return max((sum(size for lo, hi, size in spans if lo <= i <= hi) for i in range(len(nodes))), default=0)
 

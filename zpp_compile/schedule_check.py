@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .compat import all_gather_single
+from .process_state import register_reset
 
 
 class ScheduleMismatchError(RuntimeError):
@@ -132,6 +133,7 @@ class _CheckedRuns:
 
 
 CHECKED_RUNS = _CheckedRuns()
+register_reset(CHECKED_RUNS.reset)
 
 
 def maybe_check(schedule: Schedule, group_name: str, device: torch.device) -> None:

@@ -29,10 +29,11 @@ from torch.utils._pytree import tree_map
 
 from . import dtensor_ops, schedule_check
 from .agreement import agree_on_model
-from .codegen.quantize import quantize_packed
+from .codegen.quantize import num_blocks, quantize_packed
 from .config import Config
 from .cost_model import build_cost_model
 from .faults import explained_collective_failures
+from .grad_sync import grad_sync_kwargs
 from .layout import (
     PAYLOAD_SUFFIX,
     ShardedState,
@@ -45,6 +46,7 @@ from .layout import (
     sharded_state,
     unwrap_compiled,
 )
+from .process_state import register_reset
 from .topology import Topology, build_topology, require_initialized, set_current_topology
 
 __all__ = ["ShardingError", "full_state_dict", "gather_full", "is_sharded", "shard", "sharded_state"]
@@ -136,7 +138,7 @@ def _warn_on_block_padding(state: ShardedState) -> None:
     for name, enabled in (("weight_block_size", config.quantize_weights), ("gradient_block_size", config.quantize_gradients)):
         block = getattr(config, name)
         elements = sum(s.shard_numel for s in sharded)
-        padded = sum(-(-s.shard_numel // block) * block for s in sharded)
+        padded = sum(num_blocks(s.shard_numel, block) * block for s in sharded)
         if enabled and elements and padded > BLOCK_PADDING_WARNING * elements:
             warnings.warn(
                 f"Config.{name}={block} pads this model's shards from {elements} to {padded} elements per "
@@ -262,6 +264,10 @@ def gather_full(param: Tensor, *, payload: Optional[Tensor] = None, in_compute_d
         )
     kwargs = {"dtype": compute_dtype, "reduce_dtype": spec.reduce_dtype if in_compute_dtype else None}
     kwargs = {k: v for k, v in kwargs.items() if v is not None} | _name_for_eager(spec)
+    if in_compute_dtype and param.requires_grad and torch.is_grad_enabled():
+        # Under no_sync (or the flush after it) the backward accumulates or adds the buffer of
+        # this parameter: the mode and the buffer's key are in the graph (Dynamo guards on them).
+        kwargs |= grad_sync_kwargs(param._zpp_state, spec.fqn)
     local = param.to_local()
     if spec.replicated:
         return torch.ops.zpp.replicated_param(local, spec.group_size, spec.group_name, **kwargs)
@@ -420,6 +426,9 @@ def _counting_forwards(forward):
 # Dynamo's type guards few. It bears the original's name (Hugging Face writes type(model).__name__
 # into config.json's architectures).
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+register_reset(_SHARDED_CLASSES.clear)  # zpp_compile.reset(): the next models get new subclasses
 
 
 def _route_reads_through_gather(module: nn.Module, names: list[str]) -> None:

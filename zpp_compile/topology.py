@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .faults import as_timedelta
+from .process_state import register_reset
 
 
 class DistributedNotInitializedError(RuntimeError):
@@ -202,8 +203,9 @@ def shared_group(ranks: tuple[int, ...], timeout_s: Optional[float] = None) -> O
     with collective timeout `timeout_s` (None: the default group's).
 
     Collective on first use: every rank of the world must ask for the same groups in the same order.
-    The cache lives as long as the process: destroying and re-initialising the default process
-    group in one process is not supported (group names would be reused).
+    The cache lives as long as the process (zpp_compile.reset() keeps it): destroying and
+    re-initialising the default process group in one process is not supported (group names would
+    be reused).
     """
     key = (ranks, timeout_s)
     if key not in _GROUPS:
@@ -266,6 +268,7 @@ def current_topology() -> Topology:
     return _CURRENT
 
 
+@register_reset
 def forget_current_topology() -> None:
     """For tests and re-initialised process groups: the next shard() sets the layout afresh."""
     global _CURRENT

@@ -12,7 +12,8 @@ most its shards plus one parameter's rows. The source is a Hugging Face checkpoi
 folder (model.safetensors, or the shards named by model.safetensors.index.json) or one
 .safetensors file; load_full_state_dict takes tensors you already have, one at a time.
 A tensor the model lacks, a model entry the source lacks, or a shape that differs raises
-CheckpointMismatchError naming every one of them (on every rank, before anything is written).
+CheckpointMismatchError naming every one of them, on every rank: before anything is written for a
+safetensors source or a mapping; as each arrives, and the missing ones at the end, for pairs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Union
 
 import torch
 from torch import Tensor, nn
@@ -61,12 +62,18 @@ def load_full_state_dict(
     model: nn.Module, state: Union[Mapping[str, Tensor], Iterable[tuple[str, Tensor]]], *, strict: bool = True
 ) -> nn.Module:
     """Load full (unsharded) tensors into the sharded `model`, each rank copying its rows; a
-    mapping, or (name, tensor) pairs (a generator holding one tensor at a time keeps memory at one
-    parameter). Same checks as load_safetensors. Returns `model`."""
-    items = list(state.items()) if isinstance(state, Mapping) else list(state)
-    shapes = {name: tuple(t.shape) for name, t in items}
-    readers = {name: (lambda start, stop, t=t: t[start:stop] if t.dim() else t) for name, t in items}
-    return _load(model, shapes, readers, strict, "the state dict")
+    mapping (checked whole before anything is written), or (name, tensor) pairs consumed one at a
+    time (a generator yielding one tensor at a time keeps memory at one parameter; each pair is
+    checked as it comes, what is missing at the end). Same checks as load_safetensors. Returns `model`."""
+    if isinstance(state, Mapping):
+        shapes = {name: tuple(t.shape) for name, t in state.items()}
+        readers = {name: _rows_of(t) for name, t in state.items()}
+        return _load(model, shapes, readers, strict, "the state dict")
+    return _load_stream(model, iter(state), strict, "the (name, tensor) pairs")
+
+
+def _rows_of(t: Tensor) -> RowReader:
+    return lambda start, stop: t[start:stop] if t.dim() else t
 
 
 def _safetensors_files(source: Path) -> list[Path]:
@@ -115,16 +122,37 @@ def _read_rows(file: Path, entry: dict, start: int, stop: int) -> Tensor:
 
 def _load(model: nn.Module, shapes: dict, readers: dict[str, RowReader], strict: bool, source: str) -> nn.Module:
     model = unwrap_compiled(model)
-    state = sharded_state(model)
     targets = _targets(model)
     _check(targets, shapes, strict, source)
-    if any(_local(t).is_meta for _, t in targets.values()):
-        _materialize_for_loading(model, targets, shapes, strict, torch.device(state.mesh.device_type))
-        targets = _targets(model)
-    rank = state.topology.rank
+    was_meta = _allocate_if_meta(model, targets, strict)
+    targets = _targets(model)
+    rank = sharded_state(model).topology.rank
     for key, (module, tensor) in targets.items():
         if key in readers:
             _write(module, key.rsplit(".", 1)[-1], tensor, readers[key], rank)
+    if was_meta:
+        _fill_unsaved(model, targets, shapes)
+    return model
+
+
+def _load_stream(model: nn.Module, pairs: Iterator[tuple[str, Tensor]], strict: bool, source: str) -> nn.Module:
+    """_load for pairs that arrive one at a time: each is written (or refused) before the next is
+    drawn, so the caller's generator can drop it; the model-wide checks run at the end."""
+    model = unwrap_compiled(model)
+    was_meta = _allocate_if_meta(model, _targets(model), strict)
+    targets = _targets(model)
+    rank = sharded_state(model).topology.rank
+    shapes = {}
+    for key, t in pairs:
+        shapes[key] = tuple(t.shape)
+        if key in targets:
+            _check({key: targets[key]}, {key: shapes[key]}, False, source)
+            module, tensor = targets[key]
+            _write(module, key.rsplit(".", 1)[-1], tensor, _rows_of(t), rank)
+        del t
+    _check(targets, shapes, strict, source)
+    if was_meta:
+        _fill_unsaved(model, targets, shapes)
     return model
 
 
@@ -132,16 +160,23 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _materialize_for_loading(model: nn.Module, targets: dict, shapes: dict, strict: bool, device: torch.device) -> None:
-    """Allocate a meta-device model's chunks; the source fills them. Buffers it lacks (computed in
-    __init__, not saved: rotary tables) are recomputed by Hugging Face's _init_weights where the
-    model has one; anything else left without a value is refused."""
+def _allocate_if_meta(model: nn.Module, targets: dict, strict: bool) -> bool:
+    """Allocate a meta-device model's chunks (the source fills them); True if it was on meta."""
+    if not any(_local(t).is_meta for _, t in targets.values()):
+        return False
     if not strict:
         raise CheckpointMismatchError(
             "loading with strict=False into a model still on the meta device would leave what the source "
             "lacks uninitialized: call zpp_compile.materialize(model, init=...) first"
         )
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device(sharded_state(model).mesh.device_type))
+    return True
+
+
+def _fill_unsaved(model: nn.Module, targets: dict, shapes: dict) -> None:
+    """Buffers the source lacks (computed in __init__, not saved: rotary tables) are recomputed by
+    Hugging Face's _init_weights where the model has one; anything else left without a value is
+    refused."""
     covered = {id(t) for k, (_, t) in targets.items() if k in shapes}  # tied parameters: one name does
     unsaved = [(m, k) for k, (m, t) in targets.items() if id(t) not in covered and t.is_floating_point()]
     init_module = getattr(model, "_init_weights", None)

@@ -9,6 +9,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zpp_compile.config import Config
+from zpp_compile.cost_model import CostModel
 from zpp_compile.passes import PassContext
 from zpp_compile.topology import Topology
 
@@ -22,9 +23,14 @@ def targets(gm: fx.GraphModule) -> list:
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def context(group_name: str, **config) -> PassContext:
-    topology = Topology(world_size=1, rank=0, ranks_per_node=1, world_group_name=group_name)
-    return PassContext(config=Config(**config), topology=topology, graph_id=0, phase="forward")
+def context(
+    where: str | Topology, *, phase: str = "forward", cost_model: CostModel | None = None, **config
+) -> PassContext:
+    """What a pass receives, for graph 0 in `phase`: `where` is a Topology, or the group name of a
+    one-rank world; Config(**config)."""
+    if isinstance(where, str):
+        where = Topology(world_size=1, rank=0, ranks_per_node=1, world_group_name=where)
+    return PassContext(config=Config(**config), topology=where, graph_id=0, phase=phase, cost_model=cost_model)
 
 
 def call_targets_with_triton_kernels(script: str) -> list[str]:

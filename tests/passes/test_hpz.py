@@ -2,11 +2,10 @@ import torch
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
 from zpp_compile.codegen.quantize import payload_numel
-from zpp_compile.config import Config
-from zpp_compile.passes import PassContext, hpz
+from zpp_compile.passes import hpz
 from zpp_compile.topology import Topology
 
-from .helpers import targets, trace
+from .helpers import context, targets, trace
 
 c10d = torch.ops._c10d_functional
 # Rank 1 of 4, two nodes of two, hpZ groups {0, 1} and {2, 3}: this rank keeps the second half.
@@ -30,7 +29,7 @@ def _partitioned_pair():
 
 
 def _run_hpz(**config):
-    ctx = PassContext(config=Config(hpz_size=2, **config), topology=TOPOLOGY, graph_id=0, phase="partitioned")
+    ctx = context(TOPOLOGY, phase="partitioned", hpz_size=2, **config)
     return hpz(*_partitioned_pair(), ctx)
 
 
@@ -60,6 +59,6 @@ def test_with_qwz_the_secondary_is_this_ranks_slice_of_the_gathered_int8_payload
 def test_graphs_are_unchanged_without_hpz():
     fw, bw = _partitioned_pair()
     code = fw.code, bw.code
-    ctx = PassContext(config=Config(), topology=Topology(4, 1, 2, "world"), graph_id=0, phase="partitioned")
+    ctx = context(Topology(4, 1, 2, "world"), phase="partitioned")
     fw, bw = hpz(fw, bw, ctx)
     assert (fw.code, bw.code) == code

@@ -3,11 +3,10 @@ import torch
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
 from zpp_compile.codegen.int4 import chunk_payload_numel
-from zpp_compile.config import Config
 from zpp_compile.passes import PassContext, qgz
 from zpp_compile.topology import Topology
 
-from .helpers import call_targets_with_triton_kernels, targets, trace
+from .helpers import call_targets_with_triton_kernels, context, targets, trace
 
 c10d = torch.ops._c10d_functional
 
@@ -20,8 +19,7 @@ def _reduce_graph(group_name: str, world: int):
 
 
 def _context(topology: Topology, **config) -> PassContext:
-    config = Config(quantize_gradients=True, gradient_block_size=64, **config)
-    return PassContext(config=config, topology=topology, graph_id=0, phase="backward")
+    return context(topology, phase="backward", quantize_gradients=True, gradient_block_size=64, **config)
 
 
 def test_two_nodes_get_an_int4_all_to_all_in_the_node_then_one_across():
@@ -62,7 +60,7 @@ def test_a_world_of_one_gets_its_gradient_back_exactly(group_of_one):
 def test_graph_is_unchanged_when_quantize_gradients_is_off(group_of_one):
     gm = _reduce_graph(group_of_one, 1)
     code = gm.code
-    ctx = PassContext(config=Config(), topology=Topology(1, 0, 1, group_of_one), graph_id=0, phase="backward")
+    ctx = context(group_of_one, phase="backward")
     assert qgz(gm, ctx).code == code
 
 

@@ -3,23 +3,16 @@
 import torch
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
-from zpp_compile.config import Config
 from zpp_compile.cost_model import CostModel
 from zpp_compile.plan import peak_collective_bytes
-from zpp_compile.passes import PassContext, bucket_collectives, lower_gather, lower_reduce, schedule_overlap
-from zpp_compile.topology import Topology
+from zpp_compile.passes import bucket_collectives, lower_gather, lower_reduce, schedule_overlap
+from zpp_compile.passes.graph_utils import COLLECTIVE_STARTS
 
-from .helpers import trace
+from .helpers import context, trace
 
 c10d = torch.ops._c10d_functional
-STARTS = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default, c10d.reduce_scatter_tensor.default)
 SLOW_LINK = CostModel(intra_node_bytes_per_s=1e3, inter_node_bytes_per_s=1e3, flops_per_s=1e9)
 FAST_LINK = CostModel(intra_node_bytes_per_s=1e15, inter_node_bytes_per_s=1e15, flops_per_s=1e9, latency_s=0.0)
-
-
-def _context(group: str, cost_model=None, phase="forward", **config) -> PassContext:
-    topology = Topology(world_size=1, rank=0, ranks_per_node=1, world_group_name=group)
-    return PassContext(config=Config(**config), topology=topology, graph_id=0, phase=phase, cost_model=cost_model)
 
 
 def _three_layers(group: str):
@@ -31,7 +24,7 @@ def _three_layers(group: str):
         return x
 
     args = (torch.randn(8, 64), torch.randn(4096), torch.randn(4096), torch.randn(4096))
-    return lower_gather(trace(forward, *args), _context(group)), args
+    return lower_gather(trace(forward, *args), context(group)), args
 
 
 def _order(gm) -> list[str]:
@@ -40,14 +33,14 @@ def _order(gm) -> list[str]:
 
 def _kinds(gm) -> list[str]:
     """The graph as a sequence of 'start', 'wait' and 'mm' (other nodes left out)."""
-    kinds = {**{t: "start" for t in STARTS}, c10d.wait_tensor.default: "wait", torch.ops.aten.mm.default: "mm"}
+    kinds = {**{t: "start" for t in COLLECTIVE_STARTS}, c10d.wait_tensor.default: "wait", torch.ops.aten.mm.default: "mm"}
     return [kinds[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in kinds]
 
 
 def test_bucketing_merges_the_gathers_into_one_and_keeps_values(group_of_one):
     gm, args = _three_layers(group_of_one)
     want = gm(*args)
-    gm = bucket_collectives(gm, _context(group_of_one))
+    gm = bucket_collectives(gm, context(group_of_one))
     assert _kinds(gm).count("start") == 1
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
 
@@ -55,10 +48,10 @@ def test_bucketing_merges_the_gathers_into_one_and_keeps_values(group_of_one):
 def test_gather_bucket_cap_splits_buckets_and_zero_turns_bucketing_off(group_of_one):
     gm, _ = _three_layers(group_of_one)
     two_weights = 2 * 64 * 64 * 4
-    assert _kinds(bucket_collectives(gm, _context(group_of_one, gather_bucket_bytes=two_weights))).count("start") == 2
+    assert _kinds(bucket_collectives(gm, context(group_of_one, gather_bucket_bytes=two_weights))).count("start") == 2
     gm, _ = _three_layers(group_of_one)
     code = gm.code
-    assert bucket_collectives(gm, _context(group_of_one, gather_bucket_bytes=0)).code == code
+    assert bucket_collectives(gm, context(group_of_one, gather_bucket_bytes=0)).code == code
 
 
 def test_reduce_scatters_are_bucketed_too(group_of_one):
@@ -66,9 +59,9 @@ def test_reduce_scatters_are_bucketed_too(group_of_one):
         return [torch.ops.zpp.reduce_grad(g * 2, g.numel(), g.numel(), 1, group_of_one) for g in (a, b)]
 
     args = (torch.randn(100), torch.randn(30))
-    gm = lower_reduce(trace(backward, *args), _context(group_of_one, phase="backward"))
+    gm = lower_reduce(trace(backward, *args), context(group_of_one, phase="backward"))
     want = gm(*args)
-    gm = bucket_collectives(gm, _context(group_of_one, phase="backward"))
+    gm = bucket_collectives(gm, context(group_of_one, phase="backward"))
     assert _kinds(gm).count("start") == 1
     for got, expected in zip(gm(*args), want):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -83,7 +76,7 @@ def test_slow_link_prefetches_the_next_gathers_behind_compute(group_of_one):
     gm, args = _three_layers(group_of_one)
     want = gm(*args)
     before = peak_collective_bytes(gm)
-    gm = schedule_overlap(gm, _context(group_of_one, SLOW_LINK, prefetch_limit=2))
+    gm = schedule_overlap(gm, context(group_of_one, cost_model=SLOW_LINK, prefetch_limit=2))
     # Transfers never hide on this link, so each gather goes as early as the limits allow: two in
     # flight, so the third starts once the first has arrived, and runs behind the first layer.
     assert _kinds(gm) == ["start", "start", "wait", "start", "mm", "wait", "mm", "wait", "mm"]
@@ -93,7 +86,7 @@ def test_slow_link_prefetches_the_next_gathers_behind_compute(group_of_one):
 
 def test_prefetch_limit_bounds_the_gathers_in_flight(group_of_one):
     gm, _ = _three_layers(group_of_one)
-    gm = schedule_overlap(gm, _context(group_of_one, SLOW_LINK, prefetch_limit=1))
+    gm = schedule_overlap(gm, context(group_of_one, cost_model=SLOW_LINK, prefetch_limit=1))
     # One in flight: the next gather starts only once the previous one has been waited for.
     assert _kinds(gm) == ["start", "wait", "start", "mm", "wait", "start", "mm", "wait", "mm"]
     assert peak_collective_bytes(gm) == 2 * 64 * 64 * 4
@@ -102,7 +95,7 @@ def test_prefetch_limit_bounds_the_gathers_in_flight(group_of_one):
 def test_prefetch_bytes_bounds_the_bytes_in_flight(group_of_one):
     gm, _ = _three_layers(group_of_one)
     weight = 64 * 64 * 4
-    gm = schedule_overlap(gm, _context(group_of_one, SLOW_LINK, prefetch_limit=8, prefetch_bytes=weight))
+    gm = schedule_overlap(gm, context(group_of_one, cost_model=SLOW_LINK, prefetch_limit=8, prefetch_bytes=weight))
     # One weight's bytes in flight: as a limit of one collective here.
     assert _kinds(gm) == ["start", "wait", "start", "mm", "wait", "start", "mm", "wait", "mm"]
     assert peak_collective_bytes(gm) == 2 * weight
@@ -110,7 +103,7 @@ def test_prefetch_bytes_bounds_the_bytes_in_flight(group_of_one):
 
 def test_fast_link_needs_no_prefetch_and_keeps_memory_at_one_weight(group_of_one):
     gm, _ = _three_layers(group_of_one)
-    gm = schedule_overlap(gm, _context(group_of_one, FAST_LINK))
+    gm = schedule_overlap(gm, context(group_of_one, cost_model=FAST_LINK))
     assert _kinds(gm) == ["start", "wait", "mm"] * 3
     assert peak_collective_bytes(gm) == 64 * 64 * 4
 
@@ -118,4 +111,4 @@ def test_fast_link_needs_no_prefetch_and_keeps_memory_at_one_weight(group_of_one
 def test_without_a_cost_model_the_order_is_left_alone(group_of_one):
     gm, _ = _three_layers(group_of_one)
     order = _order(gm)
-    assert _order(schedule_overlap(gm, _context(group_of_one, None))) == order
+    assert _order(schedule_overlap(gm, context(group_of_one, cost_model=None))) == order

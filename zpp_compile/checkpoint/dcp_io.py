@@ -24,6 +24,7 @@ from .folders import Marker, PathLike, SaveFolders, read_metadata, require_compl
 from .optimizer import check_hyper_parameter_keys, load_optimizer_state_dict, optimizer_class_name, optimizer_state_dict
 from .ranks import on_rank0
 from ..error_feedback import error_state, restore_error_state
+from ..grad_sync import refuse_pending
 from .per_rank import as_rows, own_rows, rows_load_target
 from .rng import RNG_KEY, restore_rng_states, rng_load_target, rng_states
 from .state_dict import CheckpointMismatchError
@@ -51,9 +52,12 @@ def save_checkpoint(
     gathered. `extra` holds values equal on every rank (a step counter, a data-loader position):
     DCP writes one copy of each. With `checksums`, the sha256 of every data file is recorded, and
     load_checkpoint verifies it. `path` must not exist, or be a checkpoint folder (it is replaced);
-    anything else there is refused with FileExistsError.
+    anything else there is refused with FileExistsError. Refused (PendingGradientsError) while
+    gradients accumulated under no_sync wait for their reduction: save after the optimizer step.
     """
     model = unwrap_compiled(model)
+    # Gradients accumulated under no_sync are not part of a checkpoint: refuse rather than drop them.
+    refuse_pending(model, "save_checkpoint")
     state = _state_to_save(model, optim, extra)  # the RNG states as they are at the call
     folders = on_rank0(lambda: SaveFolders.new(path))
     dcp.save(state, checkpoint_id=folders.staging)
@@ -64,7 +68,7 @@ def save_checkpoint(
 def _state_to_save(model: nn.Module, optim: Optional[torch.optim.Optimizer], extra: Optional[dict]) -> dict[str, Any]:
     sharded = sharded_state(model)
     state: dict[str, Any] = {MODEL_KEY: model.state_dict(), RNG_KEY: rng_states(sharded.mesh)}
-    errors = {str(i): as_rows(t, sharded.mesh) for i, t in error_state(sharded.plan_id).items()}
+    errors = {key: as_rows(t, sharded.mesh) for key, t in error_state(sharded.plan_id).items()}
     if errors:
         state[QGZ_ERROR_KEY] = errors
     if optim is not None:
@@ -110,7 +114,7 @@ def load_checkpoint(
         load_optimizer_state_dict(model, optim, state[OPTIM_KEY])
     restore_rng_states(state.get(RNG_KEY, {}))
     errors = own_rows(state.get(QGZ_ERROR_KEY, {}))
-    restore_error_state(sharded_state(model).plan_id, {int(i): t for i, t in errors.items()})
+    restore_error_state(sharded_state(model).plan_id, errors)
     return state.get(EXTRA_KEY, {})
 
 

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .quantize import round_symmetric
+from .quantize import SCALE_BYTES, round_symmetric
 
 QMAX = 7
 OFFSET = 8
@@ -34,7 +34,7 @@ OFFSET = 8
 def chunk_payload_numel(chunk_numel: int, block: int) -> int:
     """Bytes of one chunk of `chunk_numel` values (a multiple of block) once packed."""
     n_blocks = chunk_numel // block
-    return chunk_numel // 2 + 4 * n_blocks
+    return chunk_numel // 2 + SCALE_BYTES * n_blocks
 
 
 def quantize_int4_chunks(chunks: Tensor, block: int) -> Tensor:

@@ -32,8 +32,13 @@ QMAX = 127  # symmetric int8: [-127, 127], so -x quantizes to -q
 SCALE_BYTES = 4
 
 
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for integers (b > 0), exact at any size."""
+    return -(-a // b)
+
+
 def num_blocks(numel: int, block: int) -> int:
-    return -(-numel // block)
+    return ceil_div(numel, block)
 
 
 def payload_numel(numel: int, block: int) -> int:

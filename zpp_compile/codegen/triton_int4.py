@@ -28,13 +28,12 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from .int4 import OFFSET as _OFFSET, QMAX as _QMAX, chunk_payload_numel
-from .triton_quantize import block_scales, quantize_to_grid
+from .triton_quantize import block_scales, quantize_to_grid, tiling
 
 # Compiled Triton reads a module global in a kernel only if it is a tl.constexpr (the
 # interpreter, which the CPU tests use, does not check: found on a GPU).
 QMAX = tl.constexpr(_QMAX)
 OFFSET = tl.constexpr(_OFFSET)
-_TILE_ELEMENTS = 4096
 
 
 @triton.jit
@@ -126,11 +125,6 @@ def _dequantize_reduce_kernel(
         tl.store(out_ptr + row * chunk + even + 1, hi, mask=keep)
 
 
-def _tiling(block: int) -> tuple[int, int]:
-    half_p2 = triton.next_power_of_2(block // 2)
-    return half_p2, max(1, _TILE_ELEMENTS // (2 * half_p2))
-
-
 def _residual_and_error(residual: Optional[Tensor], rows: int, chunk: int, like: Tensor) -> tuple[Tensor, Tensor]:
     """(residual as float32 rows, the error buffer): both empty placeholders without feedback."""
     if residual is None:
@@ -146,7 +140,7 @@ def quantize_swizzled(values: Tensor, block: int, residual: Optional[Tensor] = N
     n_blocks, payload = chunk // block, chunk_payload_numel(chunk, block)
     residual, error = _residual_and_error(residual, local * nodes, chunk, values)
     out = values.new_empty(local, nodes, payload, dtype=torch.uint8)
-    half_p2, rows = _tiling(block)
+    half_p2, rows = tiling(block // 2, tiles=2)  # even and odd elements
     wrap_triton(_quantize_swizzled_kernel)[(triton.cdiv(n_blocks, rows), nodes * local)](
         values.contiguous(), residual, out, error, nodes, local, chunk, n_blocks, payload,
         BLOCK=block, HALF_P2=half_p2, ROWS=rows, HAS_RESIDUAL=residual.numel() > 0,
@@ -181,7 +175,7 @@ def _launch_reduce(
 ) -> None:
     senders, chunk_rows, payload = payloads.shape
     n_blocks = chunk // block
-    half_p2, rows = _tiling(block)
+    half_p2, rows = tiling(block // 2, tiles=2)  # even and odd elements
     wrap_triton(_dequantize_reduce_kernel)[(triton.cdiv(n_blocks, rows), chunk_rows)](
         payloads.contiguous(), residual, out, error, senders, chunk_rows, chunk, n_blocks, payload,
         BLOCK=block, HALF_P2=half_p2, ROWS=rows, REQUANTIZE=requantize, HAS_RESIDUAL=residual.numel() > 0,

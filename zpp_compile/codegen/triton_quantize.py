@@ -102,9 +102,11 @@ def _dequantize_unpack_kernel(
     tl.store(out_ptr + rank * shard_numel + within, values.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def _tiling(block: int) -> tuple[int, int]:
-    block_p2 = triton.next_power_of_2(block)
-    return block_p2, max(1, _TILE_ELEMENTS // block_p2)
+def tiling(lanes: int, tiles: int = 1) -> tuple[int, int]:
+    """(lanes_p2, rows): a program's tiles are [rows, lanes_p2], `lanes` rounded up to a power of two
+    (the lanes past it masked off), with rows such that its `tiles` tiles hold about _TILE_ELEMENTS."""
+    lanes_p2 = triton.next_power_of_2(lanes)
+    return lanes_p2, max(1, _TILE_ELEMENTS // (tiles * lanes_p2))
 
 
 @triton_op("zpp::triton_quantize_packed", mutates_args=())
@@ -113,7 +115,7 @@ def quantize_packed(shard: Tensor, block: int) -> Tensor:
     flat = shard.reshape(-1)
     n_blocks = num_blocks(flat.numel(), block)
     payload = torch.empty(payload_numel(flat.numel(), block), dtype=torch.int8, device=shard.device)
-    block_p2, rows = _tiling(block)
+    block_p2, rows = tiling(block)
     grid = (triton.cdiv(n_blocks, rows),)
     wrap_triton(_quantize_pack_kernel)[grid](
         flat, payload, flat.numel(), n_blocks, BLOCK=block, BLOCK_P2=block_p2, ROWS=rows
@@ -128,7 +130,7 @@ def dequantize_packed(
     """All ranks' payloads, concatenated -> the flat full tensor (shard_numel * group_size) in `dtype`."""
     n_blocks = num_blocks(shard_numel, block)
     out = torch.empty(group_size * shard_numel, dtype=dtype, device=payloads.device)
-    block_p2, rows = _tiling(block)
+    block_p2, rows = tiling(block)
     grid = (triton.cdiv(n_blocks, rows), group_size)
     wrap_triton(_dequantize_unpack_kernel)[grid](
         payloads, out, shard_numel, n_blocks, payload_numel(shard_numel, block),

@@ -18,7 +18,7 @@ class PassContext:
     config: Config
     topology: Topology
     graph_id: int
-    phase: str = "dynamo"  # "dynamo" | "joint" | "forward" | "backward" | "inference"
+    phase: str = "dynamo"  # "dynamo" | "joint" | "partitioned" | "forward" | "backward" | "inference"
     cost_model: Optional[CostModel] = None  # None: the scheduling passes leave the order alone
     plan_id: int = -1  # the shard() call whose model this graph belongs to (qgZ's error slots)
     # The decomposition table of the lowering, for passes that trace torch code into the graph.

@@ -23,15 +23,17 @@ GATHER_MARKERS = (
 SHARD_GATHERS = GATHER_MARKERS[:2]
 
 
-# Functional collectives as the lowered graphs issue them (Inductor's bucketing writes the _out
-# form of all-gather); each has exactly one user, its wait_tensor.
-COLLECTIVE_STARTS = (
-    c10d.all_gather_into_tensor.default,
-    c10d.all_gather_into_tensor_out.default,
-    c10d.reduce_scatter_tensor.default,
-    c10d.all_to_all_single.default,
-    c10d.all_reduce.default,
-)
+# Functional collectives as the lowered graphs issue them, by the name the comm counter and the
+# plans give them (Inductor's bucketing writes the _out form of all-gather); each has exactly one
+# user, its wait_tensor. The one list of them: plan.py reads it too.
+COLLECTIVE_OPS = {
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.all_gather_into_tensor_out.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_to_all_single.default: "all_to_all",
+    c10d.all_reduce.default: "all_reduce",
+}
+COLLECTIVE_STARTS = tuple(COLLECTIVE_OPS)
 
 
 def is_call(node: fx.Node, *targets: Any) -> bool:

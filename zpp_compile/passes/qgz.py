@@ -74,13 +74,20 @@ def _rewrite_bucket(graph: fx.Graph, bucket: list[fx.Node], ctx: PassContext) ->
         topology=ctx.topology,
         block=ctx.config.gradient_block_size,
         kernels=quant_kernels(grads[0].meta["val"].device),
-        error_slots=(new_slot(ctx.plan_id), new_slot(ctx.plan_id)) if ctx.config.qgz_error_feedback else None,
+        error_slots=_error_slots(bucket, ctx) if ctx.config.qgz_error_feedback else None,
     )
     with graph.inserting_before(bucket[-1]):
         shards = inline_traced(graph, fn, grads, ctx.decompositions)
     log.debug("qgz: %s: one bucket of %d gradients", ctx.label, len(bucket))
     for marker, shard in zip(bucket, shards):
         replace_node(marker, shard)
+
+
+def _error_slots(bucket: list[fx.Node], ctx: PassContext) -> tuple[int, int]:
+    """The bucket's two error-feedback slots, keyed by its parameters so that a recompiled graph
+    and a resumed run find the errors of the same gradients (see error_feedback.py)."""
+    bucket_key = f"{bucket[0].kwargs.get('fqn') or bucket[0].name}+{len(bucket)}"
+    return tuple(new_slot(ctx.plan_id, f"{bucket_key}/stage{stage}") for stage in (1, 2))
 
 
 def qgz_reduce_scatter(
