@@ -1,6 +1,7 @@
 # Two commands do the whole set-up on a fresh machine:
 #   make train   creates .venv if needed and trains examples/train_gpt.py on 4 CPU processes
 #   make test    creates .venv if needed and runs the test suite
+# For the edit loop: make test-fast (pass and kernel unit tests, a few minutes), make lint.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -24,4 +25,11 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10
 
-.PHONY: venv train test
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not distributed and not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+.PHONY: venv train test test-fast lint

@@ -48,7 +48,8 @@ ACCUMULATION_CONFIGS: dict[str, tuple[str, dict]] = {
     f"zeropp K={GRAD_ACCUM} no_sync": ("zeropp", {"grad_accum": GRAD_ACCUM, "no_sync": True}),
     f"zeropp qgZ K={GRAD_ACCUM} sync": ("zeropp", {"grad_accum": GRAD_ACCUM, "quantize_gradients": True}),
     f"zeropp qgZ K={GRAD_ACCUM} no_sync": (
-        "zeropp", {"grad_accum": GRAD_ACCUM, "no_sync": True, "quantize_gradients": True}
+        "zeropp",
+        {"grad_accum": GRAD_ACCUM, "no_sync": True, "quantize_gradients": True},
     ),
 }
 ALL_CONFIGS = {**CONFIGS, **ACCUMULATION_CONFIGS}
@@ -180,7 +181,9 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     dist.init_process_group("gloo")
     names = args.configs.split(",")
-    tokens = torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.block_size + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
+    tokens = torch.randint(
+        0, MODEL.vocab_size, (BATCH, MODEL.block_size + 1), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
     steps, first = {}, {}
     for name in names:
         steps[name] = build_step(*ALL_CONFIGS[name])

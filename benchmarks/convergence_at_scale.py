@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._common import publish  # noqa: E402
 from benchmarks.qgz_convergence import ROOT, plot, train  # noqa: E402
 
 LABELS = ("fp32 reduce-scatter", "qwZ+hpZ+qgZ", "qwZ+hpZ+qgZ + error feedback")
@@ -101,9 +102,7 @@ def main() -> None:
     if plot(curves, ROOT / "docs" / "convergence_at_scale.png", smooth=50):
         lines += ["", f"Training loss, seed {seed}, running mean over 50 steps:", "",
                   "![loss curves](convergence_at_scale.png)"]  # fmt: skip
-    text = "\n".join(lines)
-    print(text)
-    (ROOT / "docs" / "convergence_at_scale.md").write_text("# Convergence at 10M parameters, 1000 steps\n\n" + text + "\n")
+    publish("\n".join(lines), "convergence_at_scale.md", "Convergence at 10M parameters, 1000 steps")
 
 
 if __name__ == "__main__":

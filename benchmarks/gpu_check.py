@@ -156,7 +156,7 @@ class SectionResult:
         return dataclasses.asdict(self)
 
     @staticmethod
-    def from_json(data: dict[str, Any]) -> "SectionResult":
+    def from_json(data: dict[str, Any]) -> SectionResult:
         return SectionResult(**data)
 
 
@@ -558,7 +558,7 @@ def int8_shard(numel: int, block: int, dtype: torch.dtype, seed: int) -> Tensor:
     last block is partial when numel is not a multiple of block."""
     x = heavy_tailed((numel,), seed)
     starts = list(range(0, numel, block))
-    x[: block] = 0
+    x[:block] = 0
     if len(starts) > 1:
         x[starts[1] : starts[1] + block] *= tiny_factor(dtype)
     for index, value in zip(starts[2:5], (math.nan, -math.inf, math.inf)):
@@ -745,9 +745,9 @@ def kernels_section(device: str, sizes: Sizes) -> SectionResult:
         assert os.environ.get("TRITON_INTERPRET") == "1", "cpu-interpret needs TRITON_INTERPRET=1 before triton loads"
     comparisons = run_kernel_cases(KernelPair(device, sizes.cpu_reference_max_numel), sizes)
     lines = [
-        f"Triton kernels from `registry.kernel_set(\"triton\")` (what the passes get on CUDA) against "
-        f"`kernel_set(\"inductor\")`, the torch reference of codegen/quantize.py and int4.py, run op by op "
-        f"on the same {device} tensors (\"torch on {device}\") and on CPU copies of them (\"torch on CPU\", "
+        f'Triton kernels from `registry.kernel_set("triton")` (what the passes get on CUDA) against '
+        f'`kernel_set("inductor")`, the torch reference of codegen/quantize.py and int4.py, run op by op '
+        f'on the same {device} tensors ("torch on {device}") and on CPU copies of them ("torch on CPU", '
         f"cases up to {sizes.cpu_reference_max_numel} values: what a CPU rank of a mixed job puts on the "
         f"wire). Inputs: heavy-tailed values with an all-zero block, a tiny block, nan, -inf and +inf "
         f"blocks; sizes off the block and off a Triton program's tile.",
@@ -758,14 +758,24 @@ def kernels_section(device: str, sizes: Sizes) -> SectionResult:
         "bits differ** (equal values, a nan's bits differ: WARN); **within bound** (outputs made by a "
         "multiply-add, which Triton may contract to an FMA: error-feedback errors and payloads re-quantized "
         "from sums within one int4 step, fp32 sums within 1e-5 of the largest sum: WARN); **MISMATCH** "
-        "or **ERROR** (FAIL). Payloads and dequantized values must be bitwise. Cells: \"bitwise\", or "
+        'or **ERROR** (FAIL). Payloads and dequantized values must be bitwise. Cells: "bitwise", or '
         "differing (bytes for payloads, elements otherwise) of total, the max abs difference of the "
         "(decoded) values (inf where a non-finite value meets another) and the first differing "
         "element's bits, Triton / reference.",
         "",
         *markdown_table(
-            ["kernel", "output", "input dtype", "cases", f"bitwise = torch on {device}", "bitwise = torch on CPU",
-             "worst verdict", "its case", f"vs torch on {device}", "vs torch on CPU"],  # fmt: skip
+            [
+                "kernel",
+                "output",
+                "input dtype",
+                "cases",
+                f"bitwise = torch on {device}",
+                "bitwise = torch on CPU",
+                "worst verdict",
+                "its case",
+                f"vs torch on {device}",
+                "vs torch on CPU",
+            ],  # fmt: skip
             summary_rows(comparisons),
         ),
     ]
@@ -773,11 +783,29 @@ def kernels_section(device: str, sizes: Sizes) -> SectionResult:
     if not_bitwise:
         lines += ["", "Every output that is not bitwise equal to both references:", ""]
         lines += markdown_table(
-            ["kernel", "output", "input dtype", "case", f"vs torch on {device}", "vs torch on CPU", "bound",
-             "verdict"],  # fmt: skip
-            [[c.kernel, c.output, c.dtype, c.case, _cell(c.vs_device), _cell(c.vs_cpu),
-              format_float(c.bound) if not c.strict else "0 (strict)", c.verdict + (f": {c.error}" if c.error else "")]
-             for c in not_bitwise],  # fmt: skip
+            [
+                "kernel",
+                "output",
+                "input dtype",
+                "case",
+                f"vs torch on {device}",
+                "vs torch on CPU",
+                "bound",
+                "verdict",
+            ],  # fmt: skip
+            [
+                [
+                    c.kernel,
+                    c.output,
+                    c.dtype,
+                    c.case,
+                    _cell(c.vs_device),
+                    _cell(c.vs_cpu),
+                    format_float(c.bound) if not c.strict else "0 (strict)",
+                    c.verdict + (f": {c.error}" if c.error else ""),
+                ]
+                for c in not_bitwise
+            ],  # fmt: skip
         )
     else:
         lines += ["", f"All {len(comparisons)} outputs bitwise equal to both references."]
@@ -947,17 +975,27 @@ def throughput_section(device: str, sizes: Sizes) -> SectionResult:
                 rows.append([workload.name, impl_name, "ERROR", "-", "-", "-", "-"])
                 failures.append(f"- {workload.name} [{impl_name}]: `{error_summary(exc)}`")
         del want
-    timing = ("CUDA events" if device == "cuda" else "wall clock (dry run: meaningless)")
+    timing = "CUDA events" if device == "cuda" else "wall clock (dry run: meaningless)"
     lines = [
         f"{numel} values ({4 * numel / 2**20:.0f} MiB of fp32); int8: 8 ranks' shards, block 256; int4: "
         f"[2 nodes, 8 local ranks, chunk], block 128. GB/s = (bytes read + bytes written) / time; the copy "
         f"yardstick moves the same number of bytes (reads half, writes half). Timing: {timing} around "
         f"{sizes.calls_per_sample} back-to-back calls after 3 warm-ups, median of {sizes.timing_samples} "
-        f"samples. \"= torch on CPU\": the output bitwise equal to the reference (eager torch) on CPU copies "
+        f'samples. "= torch on CPU": the output bitwise equal to the reference (eager torch) on CPU copies '
         f"of the inputs.",
         "",
-        *markdown_table(["kernel", "implementation", "ms", "GB/s", "copy of the same bytes, ms",
-                         "fraction of copy GB/s", "= torch on CPU"], rows),  # fmt: skip
+        *markdown_table(
+            [
+                "kernel",
+                "implementation",
+                "ms",
+                "GB/s",
+                "copy of the same bytes, ms",
+                "fraction of copy GB/s",
+                "= torch on CPU",
+            ],
+            rows,
+        ),  # fmt: skip
     ]
     if failures:
         lines += ["", "Errors:", "", *failures]
@@ -977,8 +1015,11 @@ class TrainingConfig:
 
 TRAINING_CONFIGS = (
     TrainingConfig("ZeRO-3, Config()", {}, 2e-2),
-    TrainingConfig("qwZ + qgZ, Config(quantize_weights=True, quantize_gradients=True)",
-                   {"quantize_weights": True, "quantize_gradients": True}, 5e-2),  # fmt: skip
+    TrainingConfig(
+        "qwZ + qgZ, Config(quantize_weights=True, quantize_gradients=True)",
+        {"quantize_weights": True, "quantize_gradients": True},
+        5e-2,
+    ),  # fmt: skip
 )
 TRAIN_SEED = 0
 TRAIN_BATCH = 8
@@ -1161,10 +1202,10 @@ def training_section(runs: TrainingRuns, steps: int) -> SectionResult:
     probe_status = "FAIL" if "error" in probe else "PASS"
     statuses.append(probe_status)
     lines = [
-        f"World size 1, `init_process_group(backend, init_method=\"file://...\", rank=0, world_size=1)`: "
+        f'World size 1, `init_process_group(backend, init_method="file://...", rank=0, world_size=1)`: '
         f"`{GPU_BACKEND}` on the GPU (what `init_process_group()` picks there without a backend), gloo on CPU. "
         f"examples/gpt.py's GPT({', '.join(f'{k}={v}' for k, v in GPT_SIZE.items())}), "
-        f"`zpp_compile.shard(model, config)`, `torch.compile(model, backend=\"zeropp\")`, AdamW(lr={TRAIN_LR}, "
+        f'`zpp_compile.shard(model, config)`, `torch.compile(model, backend="zeropp")`, AdamW(lr={TRAIN_LR}, '
         f"weight_decay=0.1), {steps} steps of {TRAIN_BATCH} x {GPT_SIZE['block_size']} tokens of stdlib "
         f"source ({TRAIN_DATA_MB} MB), seed {TRAIN_SEED}; the model is initialised on CPU, so every run "
         f"starts from the same weights and sees the same batches. Three runs per config, each a fresh "
@@ -1177,13 +1218,25 @@ def training_section(runs: TrainingRuns, steps: int) -> SectionResult:
         f"brackets, its relative difference to the plain model's loss (unsharded, eager, same device and "
         f"batch) computed just before shard(). Median step: steps 6 and later.",
         "",
-        *markdown_table(["config", "tolerance", "max rel. loss diff GPU vs CPU compiled (step)",
-                         "GPU vs CPU eager (step)", "final loss GPU / CPU compiled / CPU eager",
-                         "step-1 loss GPU / CPU compiled (rel. to the unsharded eager model)",
-                         "GPU first step (compile) s", "GPU median step ms", "GPU peak memory MiB",
-                         "CPU compiled first step s", "CPU compiled median step ms", "verdict"], rows),  # fmt: skip
+        *markdown_table(
+            [
+                "config",
+                "tolerance",
+                "max rel. loss diff GPU vs CPU compiled (step)",
+                "GPU vs CPU eager (step)",
+                "final loss GPU / CPU compiled / CPU eager",
+                "step-1 loss GPU / CPU compiled (rel. to the unsharded eager model)",
+                "GPU first step (compile) s",
+                "GPU median step ms",
+                "GPU peak memory MiB",
+                "CPU compiled first step s",
+                "CPU compiled median step ms",
+                "verdict",
+            ],
+            rows,
+        ),  # fmt: skip
         "",
-        f"`init_process_group(\"nccl\")` alone (no gloo for CPU tensors), ZeRO-3, shard() and "
+        f'`init_process_group("nccl")` alone (no gloo for CPU tensors), ZeRO-3, shard() and '
         f"{NCCL_ONLY_PROBE_STEPS} eager steps: **{probe_status}**"
         + (f", losses {', '.join(f'{v:.4f}' for v in probe['losses'])}" if "losses" in probe else ""),
         "",

@@ -41,8 +41,9 @@ def _gpt2_config():
 
 
 def _build_zeropp(name: str, ranks_per_node: int):
-    import zpp_compile
     from transformers import GPT2LMHeadModel
+
+    import zpp_compile
 
     with torch.device("meta"):
         model = GPT2LMHeadModel(_gpt2_config())
@@ -141,7 +142,10 @@ def _table(rows: list, args, state_mb: float) -> str:
     for name, init_mb, peak in rows:
         ratio = f"{peak / ddp:.2f}" if ddp else "-"
         lines.append(f"| {name} | {init_mb:.0f} | {peak:.0f} | {ratio} |")
-    lines += ["", f"Theoretical sharded state (fp32 parameters, gradients, AdamW moments / {args.nproc}): {state_mb:.0f} MB."]
+    lines += [
+        "",
+        f"Theoretical sharded state (fp32 parameters, gradients, AdamW moments / {args.nproc}): {state_mb:.0f} MB.",
+    ]
     return "\n".join(lines)
 
 

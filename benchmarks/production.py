@@ -35,7 +35,12 @@ CONFIGS = {
     "fp32": {},
     "bf16 (param_dtype)": {"param_dtype": "bfloat16"},
     "bf16, fp32 reduce": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
-    "bf16 + qwZ + hpZ + qgZ": {"param_dtype": "bfloat16", "quantize_weights": True, "hpz": True, "quantize_gradients": True},
+    "bf16 + qwZ + hpZ + qgZ": {
+        "param_dtype": "bfloat16",
+        "quantize_weights": True,
+        "hpz": True,
+        "quantize_gradients": True,
+    },
 }
 GPT_SIZE = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256)  # bytes of stdlib source
 

@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import publish  # noqa: E402
+
 ZERO_PP = ["--qwz", "--hpz", "2"]
 RUNS = {"fp32 reduce-scatter": [], "qgZ (int4 all-to-all)": ["--qgz"], "qgZ + error feedback": ["--qgz-ef"],
         "qwZ+hpZ+qgZ": [*ZERO_PP, "--qgz"], "qwZ+hpZ+qgZ + error feedback": [*ZERO_PP, "--qgz-ef"]}  # fmt: skip
@@ -94,14 +98,14 @@ def main() -> None:
               "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     base_train, base_val = curves[labels[0]][-1], results[labels[0]][0]["val_loss"]
     for label, (summary, losses) in results.items():
-        lines.append(f"| {label} | {losses[-1] / base_train:.4f} | {summary['val_loss']:.4f} | "
-                     f"{summary['val_loss'] / base_val:.4f} | {summary['sent_mb_per_rank_step']:.2f} | "
-                     f"{summary['median_step_ms']:.0f} |")
+        lines.append(
+            f"| {label} | {losses[-1] / base_train:.4f} | {summary['val_loss']:.4f} | "
+            f"{summary['val_loss'] / base_val:.4f} | {summary['sent_mb_per_rank_step']:.2f} | "
+            f"{summary['median_step_ms']:.0f} |"
+        )
     if plot(curves, ROOT / "docs" / "qgz_convergence.png"):
         lines += ["", "![loss curves](qgz_convergence.png)"]
-    text = "\n".join(lines)
-    print(text)
-    (ROOT / "docs" / "qgz_convergence.md").write_text("# Convergence: qgZ, and qwZ+hpZ+qgZ, against fp32\n\n" + text + "\n")
+    publish("\n".join(lines), "qgz_convergence.md", "Convergence: qgZ, and qwZ+hpZ+qgZ, against fp32")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import zpp_compile
+
     dist.init_process_group("gloo")
     runs = [build(label, options, args) for label, options in CONFIGS.items()]
     counter = zpp_compile.comm_counter()
@@ -97,7 +98,9 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
     mb = 2**20
     m = results[0]["param_bytes"]
     medians = [statistics.median(r["times"]) * 1e3 for r in results]
-    baseline = {r["label"].split(",")[0]: m for r, m in zip(results, medians) if r["label"].endswith("no scheduling passes")}
+    baseline = {
+        r["label"].split(",")[0]: m for r, m in zip(results, medians) if r["label"].endswith("no scheduling passes")
+    }
     lines = [
         f"`python benchmarks/scheduling.py --nproc {args.nproc} --ranks-per-node {args.ranks_per_node} "
         f"--steps {args.steps}` (GPT {m / 4e6:.2f}M params, M = {m / mb:.1f} MB fp32, M/W = "
@@ -130,7 +133,9 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    results = run_workers(__file__, args.nproc, ["--ranks-per-node", str(args.ranks_per_node), "--steps", str(args.steps)])
+    results = run_workers(
+        __file__, args.nproc, ["--ranks-per-node", str(args.ranks_per_node), "--steps", str(args.steps)]
+    )
     publish(table(results, args), "scheduling.md", "Scheduling passes: step time and memory")
 
 

@@ -20,8 +20,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(mode_args: list[str], nproc: int, steps: int, out_dir: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / "examples" / "train_gpt.py"), "--steps", str(steps), "--out-dir", out_dir, *mode_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(ROOT / "examples" / "train_gpt.py"),
+        "--steps",
+        str(steps),
+        "--out-dir",
+        out_dir,
+        *mode_args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     mode = "eager" if "--eager" in mode_args else "compiled-inductor"
@@ -44,8 +55,10 @@ def main() -> None:
         "| --- | --- | --- | --- | --- |",
     ]
     for r in results:
-        lines.append(f"| {r['mode']} | {r['first_step_s']:.1f} | {r['median_step_ms']:.0f} | "
-                     f"{r['sent_mb_per_rank_step']:.2f} | {r['final_train_loss']:.4f} |")
+        lines.append(
+            f"| {r['mode']} | {r['first_step_s']:.1f} | {r['median_step_ms']:.0f} | "
+            f"{r['sent_mb_per_rank_step']:.2f} | {r['final_train_loss']:.4f} |"
+        )
     lines += ["", f"compiled / eager median step time: {compiled['median_step_ms'] / eager['median_step_ms']:.2f}"]
     table = "\n".join(lines)
     print(table)

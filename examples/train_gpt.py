@@ -341,7 +341,7 @@ def summarize(
     val_loss: float,
 ) -> dict[str, Any]:
     """The run's JSON summary (benchmarks/step_time.py and qgz_convergence.py read it)."""
-    steady = step_times[min(10, len(step_times) - 1):]
+    steady = step_times[min(10, len(step_times) - 1) :]
     last = records[-1]
     median_s = statistics.median(steady)
     return {

@@ -28,3 +28,20 @@ def pools():
     yield get
     for pool in started.values():
         pool.close()
+
+
+# Modules whose tests launch processes of their own (torchrun, the simulated cluster).
+LAUNCHING_MODULES = {"test_cluster_harness", "test_example", "test_faults"}
+# Modules whose tests run for minutes: long training runs and whole-model compiles.
+SLOW_MODULES = {"test_long_run", "test_example", "test_cluster_harness", "test_model_features", "test_checkpoint"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark tests `distributed` (a worker pool or processes of their own) and `slow`, so that
+    `make test-fast` (-m "not distributed and not slow") keeps the pass and kernel unit tests."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if "pools" in getattr(item, "fixturenames", ()) or module in LAUNCHING_MODULES:
+            item.add_marker(pytest.mark.distributed)
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import copy
-
 import torch.utils.checkpoint
 from torch import nn
 
@@ -207,7 +206,9 @@ def peak_bytes_during(work) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         work()
-    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda r: r.start_ns())
+    records = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda r: r.start_ns()
+    )
     live = peak = 0
     for record in records:
         live += record.nbytes()

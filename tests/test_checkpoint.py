@@ -16,10 +16,9 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-import zpp_compile
 from torch.distributed.tensor import DTensor
 
+import zpp_compile
 from zpp_compile.layout import int8_payload, shard_spec
 
 from .models import OddMLP, batch, build, loss_of
@@ -230,7 +229,9 @@ def state_dict_forms(path: str) -> dict:
     torch.manual_seed(2)
     third = zpp_compile.shard(build("gpt"), _config())
     dcp.load({"model": third}, checkpoint_id=path)
-    result["plain_dcp"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), third.parameters()))
+    result["plain_dcp"] = all(
+        torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), third.parameters())
+    )
 
     # Errors name the key.
     bad = unsharded.state_dict()
@@ -573,9 +574,10 @@ def load_into_another_optimizer(path: str, name: str, save_first: bool) -> dict[
 def test_optimizer_state_of_another_optimizer_class_is_refused(pools, tmp_path):
     got = pools(2).run(load_into_another_optimizer, str(tmp_path / "ckpt"), "mlp", True)[0]
     # Adam has AdamW's hyper-parameter keys: only the class the checkpoint records tells them apart.
-    assert "holds the state of a torch.optim.adamw.AdamW optimizer, not of a torch.optim.adam.Adam" in got[
-        "checkpoint into Adam"
-    ], got
+    assert (
+        "holds the state of a torch.optim.adamw.AdamW optimizer, not of a torch.optim.adam.Adam"
+        in got["checkpoint into Adam"]
+    ), got
     assert "AdamW optimizer, not of a torch.optim.sgd.SGD" in got["checkpoint into SGD"], got
     from_state_dict = got["state dict into SGD"]
     assert "param group 0 of the state dict has the hyper-parameters ['amsgrad', 'betas'," in from_state_dict, got

@@ -40,7 +40,9 @@ def test_readme_lists_every_config_field_with_its_default_and_nothing_else():
     assert len(names) == len(set(names)), "a field listed twice"
     defaults = {f"`{f.name}`": f.default for f in dataclasses.fields(zpp_compile.Config)}
     for name, shown, _ in rows:
-        assert shown == _shown_default(defaults[name]), f"README's default of {name} is {shown}, Config's {defaults[name]!r}"
+        assert shown == _shown_default(defaults[name]), (
+            f"README's default of {name} is {shown}, Config's {defaults[name]!r}"
+        )
 
 
 def test_readme_table_is_written_from_config_py():

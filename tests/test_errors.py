@@ -47,9 +47,7 @@ def test_config_is_frozen():
 
 
 def _run_without_process_group(code: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
-    )
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0, result.stdout
     return result.stderr
 
@@ -132,7 +130,9 @@ def move_the_model_after_shard(compiled: bool) -> None:
 
 
 REPLACED = "ShardingError: parameter 'fc1.weight' \\(Linear.weight\\) was replaced by a tensor that is not a shard"
-MOVED_TO_META = "parameter '\\w+(\\.\\w+)?' \\(\\w+\\.\\w+\\) was moved to meta after zpp_compile.shard\\(\\) placed it on cpu"
+MOVED_TO_META = (
+    "parameter '\\w+(\\.\\w+)?' \\(\\w+\\.\\w+\\) was moved to meta after zpp_compile.shard\\(\\) placed it on cpu"
+)
 
 
 def hpz_size_not_dividing_the_node() -> None:
@@ -206,7 +206,10 @@ def shard_a_model_that_differs_between_ranks(what: str) -> str:
     "what, difference",
     [
         ("config", "Config.gather_bucket_bytes is 26214400 on rank 0 but 0 on rank 1"),
-        ("parameter", "parameter '0.weight' (shape (29, 13), float32) on rank 0 but '0.weight' (shape (30, 13), float32) on rank 1"),
+        (
+            "parameter",
+            "parameter '0.weight' (shape (29, 13), float32) on rank 0 but '0.weight' (shape (30, 13), float32) on rank 1",
+        ),
     ],
 )
 def test_ranks_sharding_different_configs_or_shapes_fail_together_naming_the_difference(pools, what, difference):

@@ -63,7 +63,9 @@ def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_the_minimum():
 
 def test_the_loss_curve_is_skipped_with_a_message_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    records = [StepRecord(1, 5.0, 1e-3, 1.0, seconds=0.1, tokens_per_s=10.0, peak_mem_bytes=1, sent_intra=0, sent_inter=0)]
+    records = [
+        StepRecord(1, 5.0, 1e-3, 1.0, seconds=0.1, tokens_per_s=10.0, peak_mem_bytes=1, sent_intra=0, sent_inter=0)
+    ]
     why = plot_loss_curve(records, tmp_path / "curve.png", "t")
     assert why is not None and "matplotlib" in why and "pip install" in why
     assert not (tmp_path / "curve.png").exists()

@@ -95,9 +95,16 @@ def group_timeouts(config_timeout_s) -> set:
     from zpp_compile.sharding import sharded_state
     from zpp_compile.topology import group_timeout
 
-    config = zpp_compile.Config(ranks_per_node=2, hpz_size=2, quantize_gradients=True, collective_timeout_s=config_timeout_s)
+    config = zpp_compile.Config(
+        ranks_per_node=2, hpz_size=2, quantize_gradients=True, collective_timeout_s=config_timeout_s
+    )
     topology = sharded_state(zpp_compile.shard(torch.nn.Linear(4, 4), config)).topology
-    names = (topology.world_group_name, topology.hpz_group_name, topology.node_group_name, topology.cross_node_group_name)
+    names = (
+        topology.world_group_name,
+        topology.hpz_group_name,
+        topology.node_group_name,
+        topology.cross_node_group_name,
+    )
     return {group_timeout(_resolve_process_group(n)).total_seconds() for n in names}
 
 

@@ -18,7 +18,6 @@ from zpp_compile.passes.graph_utils import c10d
 from .models import batch, build, loss_of
 from .workers import reset_process_state
 
-
 # Inductor's post-grad passes turn the recorded graph's views into reshapes, in place.
 _UNPACKING = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.constant_pad_nd.default)
 

@@ -45,7 +45,9 @@ def _drawn_rows() -> list[str]:
     """The rows of architecture.md's Layers drawing, top first: 'config', 'codegen', ..."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     drawing = text.split("## Layers", 1)[1].split("```", 2)[1]
-    return [m.group(1).removesuffix(".py").removesuffix("/") for m in re.finditer(r"^  (\S+?(?:\.py|/))\s", drawing, re.M)]
+    return [
+        m.group(1).removesuffix(".py").removesuffix("/") for m in re.finditer(r"^  (\S+?(?:\.py|/))\s", drawing, re.M)
+    ]
 
 
 def _row_of(module: str, rows: list[str]) -> str:
@@ -73,13 +75,17 @@ def test_every_import_goes_up_the_drawing():
 
 def test_no_import_cycles():
     modules = _all_modules()
-    graph = {name: _imports(path, set(modules), top_level_only=True) - {"zpp_compile"} for name, path in modules.items()}
+    graph = {
+        name: _imports(path, set(modules), top_level_only=True) - {"zpp_compile"} for name, path in modules.items()
+    }
     state: dict[str, int] = {}
 
     def visit(node: str, trail: list[str]) -> None:
         state[node] = 1
         for nxt in graph[node]:
-            assert state.get(nxt) != 1, f"import cycle: {' -> '.join(trail[trail.index(nxt):] + [node, nxt]) if nxt in trail else node + ' -> ' + nxt}"
+            assert state.get(nxt) != 1, (
+                f"import cycle: {' -> '.join(trail[trail.index(nxt) :] + [node, nxt]) if nxt in trail else node + ' -> ' + nxt}"
+            )
             if nxt not in state:
                 visit(nxt, trail + [node])
         state[node] = 2

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import zpp_compile
 from zpp_compile import passes
 from zpp_compile.backend import compiled_graphs
-
 from zpp_compile.layout import shard_spec
 
 from .models import OddMLP, batch, build, loss_of
@@ -141,7 +140,14 @@ def explain_vs_counter() -> tuple[str, int, int, int, int, bool]:
     counter = zpp_compile.comm_counter()
     counter.reset()
     torch.compile(model, backend="zeropp")(x).sum().backward()
-    return str(plan), plan.bytes(), counter.bytes(), plan.bytes(locality="inter"), plan.count(op="reduce_scatter"), grads_untouched
+    return (
+        str(plan),
+        plan.bytes(),
+        counter.bytes(),
+        plan.bytes(locality="inter"),
+        plan.count(op="reduce_scatter"),
+        grads_untouched,
+    )
 
 
 def test_explain_lists_the_collectives_of_one_step(pools):

@@ -75,9 +75,15 @@ def test_hf_zeropp_config_maps_field_by_field():
         param_dtype=torch.bfloat16,
     )
     assert config == expected  # prefetch_bytes stays the default: "auto"
-    for key in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "stage3_max_live_parameters",
-                "stage3_max_reuse_distance", "stage3_param_persistence_threshold",
-                "stage3_gather_16bit_weights_on_model_save"):
+    for key in (
+        "overlap_comm",
+        "contiguous_gradients",
+        "reduce_scatter",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "stage3_param_persistence_threshold",
+        "stage3_gather_16bit_weights_on_model_save",
+    ):
         assert warned_about(messages, "no effect", f"zero_optimization.{key} ("), key
     assert warned_about(messages, "training loop", "train_batch_size", "optimizer", "scheduler", "steps_per_print")
     assert warned_about(messages, "gradient_clipping='auto'", "clip_grad_norm_")
@@ -116,8 +122,12 @@ def test_prefixless_stage3_keys_are_read_like_deepspeed_reads_them():
 
 
 def test_auto_keeps_zpp_compile_defaults_silently():
-    ds = zero3(reduce_bucket_size="auto", allgather_bucket_size="auto", stage3_prefetch_bucket_size="auto",
-               zero_hpz_partition_size="auto")
+    ds = zero3(
+        reduce_bucket_size="auto",
+        allgather_bucket_size="auto",
+        stage3_prefetch_bucket_size="auto",
+        zero_hpz_partition_size="auto",
+    )
     config, messages = from_deepspeed(ds)
     assert config == DEFAULT
     assert messages == []
@@ -234,8 +244,10 @@ def test_communication_dtype_wins_over_grad_accum_dtype():
 
 @pytest.mark.parametrize(
     "extra, key",
-    [({"data_types": {"grad_accum_dtype": "int8"}}, r"data_types\.grad_accum_dtype='int8'"),
-     ({"communication_data_type": "fp8"}, r"communication_data_type='fp8'")],
+    [
+        ({"data_types": {"grad_accum_dtype": "int8"}}, r"data_types\.grad_accum_dtype='int8'"),
+        ({"communication_data_type": "fp8"}, r"communication_data_type='fp8'"),
+    ],
 )
 def test_unknown_dtype_name_names_the_key(extra, key):
     with pytest.raises(ValueError, match=rf"{key} is not a dtype name"):
@@ -263,8 +275,11 @@ def test_training_loop_keys_get_one_warning_listing_them():
 
 def test_unknown_keys_are_named():
     ds = {**zero3(stage3_prefetch_bucket_sise=10), "zero_optimisation": {}, "data_types": {"grad_acum_dtype": "fp32"}}
-    with pytest.warns(UserWarning, match=r"Unknown DeepSpeed keys.*zero_optimisation, "
-                      r"zero_optimization\.stage3_prefetch_bucket_sise, data_types\.grad_acum_dtype"):
+    with pytest.warns(
+        UserWarning,
+        match=r"Unknown DeepSpeed keys.*zero_optimisation, "
+        r"zero_optimization\.stage3_prefetch_bucket_sise, data_types\.grad_acum_dtype",
+    ):
         Config.from_deepspeed(ds)
 
 
@@ -275,21 +290,43 @@ def test_top_level_keys_without_effect_give_their_reason():
 
 # Every zero_optimization key of DeepSpeed's DeepSpeedZeroConfig, with a value it accepts.
 DEEPSPEED_ZERO_KEYS = {
-    "contiguous_gradients": True, "reduce_scatter": True, "reduce_bucket_size": 5e8,
-    "use_multi_rank_bucket_allreduce": True, "allgather_partitions": True, "allgather_bucket_size": 5e8,
-    "overlap_comm": True, "load_from_fp32_weights": True, "elastic_checkpoint": False,
-    "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}, "sub_group_size": 1e9,
-    "cpu_offload_param": False, "cpu_offload_use_pin_memory": False, "cpu_offload": False,
-    "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
-    "stage3_model_persistence_threshold": 1e9, "stage3_max_live_parameters": 1e9,
-    "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": False,
-    "stage3_module_granularity_threshold": 0, "stage3_use_all_reduce_for_fetch_params": False,
-    "stage3_gather_fp16_weights_on_model_save": False, "ignore_unused_parameters": True,
-    "legacy_stage1": False, "round_robin_gradients": False, "zero_hpz_partition_size": 1,
-    "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
-    "zero_quantized_gradients": False, "zeropp_loco_param": None, "mics_shard_size": -1,
-    "mics_hierarchical_params_gather": False, "memory_efficient_linear": True,
-    "pipeline_loading_checkpoint": False, "override_module_apply": True,
+    "contiguous_gradients": True,
+    "reduce_scatter": True,
+    "reduce_bucket_size": 5e8,
+    "use_multi_rank_bucket_allreduce": True,
+    "allgather_partitions": True,
+    "allgather_bucket_size": 5e8,
+    "overlap_comm": True,
+    "load_from_fp32_weights": True,
+    "elastic_checkpoint": False,
+    "offload_param": {"device": "none"},
+    "offload_optimizer": {"device": "none"},
+    "sub_group_size": 1e9,
+    "cpu_offload_param": False,
+    "cpu_offload_use_pin_memory": False,
+    "cpu_offload": False,
+    "stage3_prefetch_bucket_size": 5e7,
+    "stage3_param_persistence_threshold": 1e5,
+    "stage3_model_persistence_threshold": 1e9,
+    "stage3_max_live_parameters": 1e9,
+    "stage3_max_reuse_distance": 1e9,
+    "stage3_gather_16bit_weights_on_model_save": False,
+    "stage3_module_granularity_threshold": 0,
+    "stage3_use_all_reduce_for_fetch_params": False,
+    "stage3_gather_fp16_weights_on_model_save": False,
+    "ignore_unused_parameters": True,
+    "legacy_stage1": False,
+    "round_robin_gradients": False,
+    "zero_hpz_partition_size": 1,
+    "zero_quantized_weights": False,
+    "zero_quantized_nontrainable_weights": False,
+    "zero_quantized_gradients": False,
+    "zeropp_loco_param": None,
+    "mics_shard_size": -1,
+    "mics_hierarchical_params_gather": False,
+    "memory_efficient_linear": True,
+    "pipeline_loading_checkpoint": False,
+    "override_module_apply": True,
 }
 
 
@@ -308,12 +345,24 @@ def test_overrides_apply_last():
 @pytest.mark.parametrize(
     "zero_optimization, error, message, key",
     [
-        ({"zero_hpz_partition_size": -2}, ValueError, r"Config\.hpz_size=-2 is out of range",
-         "zero_hpz_partition_size"),
-        ({"zero_quantized_weights": "yes"}, TypeError, r"Config\.quantize_weights must be True or False",
-         "zero_quantized_weights"),
-        ({"reduce_bucket_size": -1}, ValueError, r"Config\.reduce_bucket_bytes=-4 is out of range",
-         "reduce_bucket_size"),
+        (
+            {"zero_hpz_partition_size": -2},
+            ValueError,
+            r"Config\.hpz_size=-2 is out of range",
+            "zero_hpz_partition_size",
+        ),
+        (
+            {"zero_quantized_weights": "yes"},
+            TypeError,
+            r"Config\.quantize_weights must be True or False",
+            "zero_quantized_weights",
+        ),
+        (
+            {"reduce_bucket_size": -1},
+            ValueError,
+            r"Config\.reduce_bucket_bytes=-4 is out of range",
+            "reduce_bucket_size",
+        ),
     ],
 )
 def test_config_validation_surfaces_with_the_deepspeed_key_noted(zero_optimization, error, message, key):
@@ -397,8 +446,10 @@ def test_fsdp2_reshard_to_one_rank_keeps_whole_weights():
 
 @pytest.mark.parametrize(
     "reshard, error, message",
-    [(0, ValueError, r"reshard_after_forward=0: an int is the number of ranks"),
-     ("yes", TypeError, r"reshard_after_forward must be True, False, None or an int, got 'yes'")],
+    [
+        (0, ValueError, r"reshard_after_forward=0: an int is the number of ranks"),
+        ("yes", TypeError, r"reshard_after_forward must be True, False, None or an int, got 'yes'"),
+    ],
 )
 def test_fsdp2_bad_reshard_after_forward(reshard, error, message):
     with pytest.raises(error, match=message):

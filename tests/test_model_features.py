@@ -21,7 +21,11 @@ SEED = 100
 
 
 def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def random_ops_against_replayed_draws(name: str, mode: str) -> dict:
@@ -53,7 +57,11 @@ def random_ops_against_replayed_draws(name: str, mode: str) -> dict:
     probe = loss_of(name, run, x[:2], y[:2]).detach()
     probes = [torch.empty_like(probe) for _ in range(world)]
     dist.all_gather(probes, probe)
-    return {"errors": gradient_errors(model, reference, 0), "same_rng": same_rng, "ranks_differ": not torch.equal(*probes[:2])}
+    return {
+        "errors": gradient_errors(model, reference, 0),
+        "same_rng": same_rng,
+        "ranks_differ": not torch.equal(*probes[:2]),
+    }
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import typing_extensions
 import torch.distributed as dist
+import typing_extensions
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -98,7 +98,10 @@ def test_a_torch_lacking_a_private_api_fails_at_import_naming_the_symbol():
     assert "zpp_compile needs torch._inductor.fx_passes.bucketing (ModuleNotFoundError" in message, message
     assert "the installed torch 2.11.0" in message and "supports torch>=2.13,<2.14" in message, message
     only_the_hint = {"torch.fx.experimental.symbolic_shapes": ("optimization_hint",)}
-    with pytest.raises(ImportError, match="needs torch.fx.experimental.symbolic_shapes.optimization_hint, which the installed torch 2.11.0"):
+    with pytest.raises(
+        ImportError,
+        match="needs torch.fx.experimental.symbolic_shapes.optimization_hint, which the installed torch 2.11.0",
+    ):
         compat.check_torch("2.11.0", apis=only_the_hint, import_module=_fake_torch_2_11)
 
 

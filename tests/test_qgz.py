@@ -135,7 +135,9 @@ def qgz_training(steps: int) -> dict:
     for label, options in runs.items():
         options = {"quantize_gradients": True, **options} if label != "fp32" else options
         counter.reset()
-        losses, model = gpt_loss_curve(zpp_compile.Config(ranks_per_node=2, gradient_block_size=BLOCK, **options), steps)
+        losses, model = gpt_loss_curve(
+            zpp_compile.Config(ranks_per_node=2, gradient_block_size=BLOCK, **options), steps
+        )
         result[label] = {
             "losses": losses,
             "inter_per_step": counter.bytes(phase="backward", locality="inter", op="all_to_all") / steps,

@@ -64,13 +64,17 @@ def _gather_bytes_per_peer(model: nn.Module, dtype: torch.dtype = torch.float32)
     counter.reset()
     compiled(torch.randn(2, 64, dtype=dtype)).sum().backward()
     peers = dist.get_world_size() - 1
-    return counter.bytes(phase="forward", op="all_gather") // peers, counter.bytes(phase="backward", op="all_gather") // peers
+    return counter.bytes(phase="forward", op="all_gather") // peers, counter.bytes(
+        phase="backward", op="all_gather"
+    ) // peers
 
 
 def forward_gather_bytes(block: int, dtype: torch.dtype) -> tuple[int, int, int]:
     model = _two_layers().to(dtype)
     zpp_compile.shard(model, zpp_compile.Config(quantize_weights=True, weight_block_size=block))
-    return *_gather_bytes_per_peer(model, dtype), sum(shard_spec(p).shard_numel * dtype.itemsize for p in model.parameters())
+    return *_gather_bytes_per_peer(model, dtype), sum(
+        shard_spec(p).shard_numel * dtype.itemsize for p in model.parameters()
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

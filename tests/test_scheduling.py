@@ -4,8 +4,6 @@ and a cost model every rank agrees on."""
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
 
 import zpp_compile
 
@@ -14,7 +12,13 @@ from .workers import reset_process_state
 
 UNSCHEDULED = {"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0, "prefetch_limit": 0}
 # aot_eager: the same passes without Inductor's compile time (the zero3 case runs Inductor).
-ZERO_PP = {"ranks_per_node": 2, "quantize_weights": True, "hpz_size": 2, "quantize_gradients": True, "lowering": "aot_eager"}
+ZERO_PP = {
+    "ranks_per_node": 2,
+    "quantize_weights": True,
+    "hpz_size": 2,
+    "quantize_gradients": True,
+    "lowering": "aot_eager",
+}
 
 
 def scheduled_and_unscheduled(options: dict, steps: int) -> dict:

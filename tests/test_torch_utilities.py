@@ -30,7 +30,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _total_norm(grads: list[torch.Tensor], norm_type: float) -> float:
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type).item()
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type
+    ).item()
 
 
 # --------------------------------------------------------------------------------------------
@@ -40,7 +42,9 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float) -> float:
 def clip_vs_unsharded(name: str, norm_type: float, mode: str, config: dict) -> dict:
     """One step sharded and unsharded on the same global batch; torch's clip_grad_norm_ on both."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    model, run, _, reference, _ = sharded_with_reference(name, mode, zpp_compile.Config(lowering=lowering_of(mode), **config))
+    model, run, _, reference, _ = sharded_with_reference(
+        name, mode, zpp_compile.Config(lowering=lowering_of(mode), **config)
+    )
     x, y = batch(name, 2 * world, 0)
     loss_of(name, run, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
     loss_of(name, reference, x, y).backward()
@@ -389,7 +393,9 @@ def _train_with_trainer(folder: str) -> dict:
         "wrapped": type(trainer.model_wrapped).__name__,
         "loss": result.training_loss,
         "grad_norms": norms,
-        "trained": not torch.equal(after["transformer.h.0.attn.c_attn.weight"], before["transformer.h.0.attn.c_attn.weight"]),
+        "trained": not torch.equal(
+            after["transformer.h.0.attn.c_attn.weight"], before["transformer.h.0.attn.c_attn.weight"]
+        ),
     }
 
 

@@ -1,7 +1,7 @@
 """zpp_compile: ZeRO++ as a torch.compile backend.
 
-    zpp_compile.shard(model, zpp_compile.Config())
-    model = torch.compile(model, backend="zeropp")
+zpp_compile.shard(model, zpp_compile.Config())
+model = torch.compile(model, backend="zeropp")
 """
 
 from . import compat as _compat  # noqa: F401  (first: checks the torch version and its private APIs)
@@ -11,8 +11,10 @@ from .backend import (
     NotShardedError,
     RecompileStormWarning,
     compiled_graphs,
-    register as _register_backend,
     zeropp_backend,
+)
+from .backend import (
+    register as _register_backend,
 )
 from .checkpoint import (
     CheckpointMismatchError,
@@ -22,10 +24,12 @@ from .checkpoint import (
     optimizer_state_dict,
     save_checkpoint,
 )
+from .clip import clip_grad_norm_, get_total_norm
 from .comm import Collective, CommCounter, comm_counter
 from .config import Config
 from .error_feedback import clear_error_feedback
 from .explain import explain
+from .faults import CollectiveError
 from .grad_sync import (
     PendingGradientsError,
     clear_gradient_buffers,
@@ -33,13 +37,11 @@ from .grad_sync import (
     pending_gradient_bytes,
     set_requires_gradient_sync,
 )
-from .faults import CollectiveError
+from .initialize import materialize
+from .layout import ShardingError, is_sharded
 from .plan import CommPlan, peak_collective_bytes
 from .process_state import reset
 from .schedule_check import ScheduleMismatchError
-from .clip import clip_grad_norm_, get_total_norm
-from .initialize import materialize
-from .layout import ShardingError, is_sharded
 from .sharding import full_state_dict, shard
 from .topology import DistributedNotInitializedError, Topology
 from .weights import load_full_state_dict, load_safetensors

@@ -24,7 +24,9 @@ _RANK_LOCAL_FIELDS = ("dump_graphs_dir",)
 
 
 def config_fingerprint(config: Config) -> list[tuple[str, str]]:
-    return [(f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config) if f.name not in _RANK_LOCAL_FIELDS]
+    return [
+        (f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config) if f.name not in _RANK_LOCAL_FIELDS
+    ]
 
 
 def parameter_fingerprint(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:

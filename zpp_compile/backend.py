@@ -1,12 +1,12 @@
 """The "zeropp" torch.compile backend: Dynamo graph -> passes -> AOTAutograd -> passes -> Inductor.
 
-    Dynamo graph (zpp.gather_param markers on parameter shards)
-      -> PRE_AUTOGRAD_PASSES                       (dedupe gathers of one parameter)
-      -> AOTAutograd joint graph (gather_param's autograd adds zpp.reduce_grad markers)
-      -> JOINT_PASSES, min-cut partition           (gathered weights are recomputed, not saved)
-      -> PARTITION_PASSES on forward + backward    (hpZ: save secondary shards, gather in-node)
-      -> FORWARD_PASSES / BACKWARD_PASSES           (markers -> functional collectives)
-      -> Inductor compile_fx_inner, or the FX graph itself with Config(lowering="aot_eager")
+Dynamo graph (zpp.gather_param markers on parameter shards)
+  -> PRE_AUTOGRAD_PASSES                       (dedupe gathers of one parameter)
+  -> AOTAutograd joint graph (gather_param's autograd adds zpp.reduce_grad markers)
+  -> JOINT_PASSES, min-cut partition           (gathered weights are recomputed, not saved)
+  -> PARTITION_PASSES on forward + backward    (hpZ: save secondary shards, gather in-node)
+  -> FORWARD_PASSES / BACKWARD_PASSES           (markers -> functional collectives)
+  -> Inductor compile_fx_inner, or the FX graph itself with Config(lowering="aot_eager")
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import comm, compat, passes
 from .faults import explained_collective_failures
+from .layout import ShardedState, shard_spec, state_of_shard
 from .plan import as_scheduled, collectives_in, marker_schedule
 from .process_state import register_reset
 from .schedule_check import CHECKED_RUNS, Schedule, current_parameter_names, maybe_check, parameter_names
-from .layout import ShardedState, shard_spec, state_of_shard
 from .topology import require_initialized
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
     ctx = passes.PassContext(
         config=state.config, topology=state.topology, graph_id=next(_graph_ids), decompositions=decompositions,
         cost_model=state.cost_model, plan_id=state.plan_id,
+        parameter_names=tuple(shard_spec(v).fqn for v in example_inputs if shard_spec(v) is not None),
     )  # fmt: skip
     _RECORDS[ctx.graph_id] = GraphRecord(ctx.graph_id)
     gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
@@ -228,7 +229,11 @@ def _compile_partitioned(
 
         with eager_random_ops():
             compiled = compile_fx_inner(
-                gm, example_inputs, is_backward=is_backward, is_inference=ctx.phase == "inference", graph_id=ctx.graph_id
+                gm,
+                example_inputs,
+                is_backward=is_backward,
+                is_inference=ctx.phase == "inference",
+                graph_id=ctx.graph_id,
             )
     else:
         compiled = make_boxed_func(gm.forward)

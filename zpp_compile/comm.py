@@ -66,7 +66,7 @@ def _locality_split(c: Collective, topology: Topology) -> tuple[tuple[Locality, 
     return (("intra", intra * c.bytes_per_peer), ("inter", (len(peers) - intra) * c.bytes_per_peer))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def group_ranks(group_name: str) -> tuple[int, ...]:
     from torch.distributed.distributed_c10d import _resolve_process_group
 

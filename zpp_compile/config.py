@@ -187,7 +187,7 @@ class Config:
     )
     lowering: Lowering = _field(
         "inductor",
-        "`\"inductor\"` compiles the rewritten graphs with Inductor; `\"aot_eager\"` runs them as plain FX "
+        '`"inductor"` compiles the rewritten graphs with Inductor; `"aot_eager"` runs them as plain FX '
         "graphs, for debugging the passes",
     )
     dump_graphs_dir: Optional[str] = _field(
@@ -225,13 +225,9 @@ class Config:
         if self.ranks_per_node is not None:
             _require_int(self, "ranks_per_node", minimum=1)
         if self.lowering not in ("inductor", "aot_eager"):
-            raise ValueError(
-                f"Config.lowering={self.lowering!r} is not a lowering; use 'inductor' or 'aot_eager'."
-            )
+            raise ValueError(f"Config.lowering={self.lowering!r} is not a lowering; use 'inductor' or 'aot_eager'.")
         if self.dump_graphs_dir is not None and not isinstance(self.dump_graphs_dir, (str, os.PathLike)):
-            raise TypeError(
-                f"Config.dump_graphs_dir must be a folder path, got {type(self.dump_graphs_dir).__name__}."
-            )
+            raise TypeError(f"Config.dump_graphs_dir must be a folder path, got {type(self.dump_graphs_dir).__name__}.")
 
     @classmethod
     def from_deepspeed(cls, ds_config: Union[Mapping[str, Any], str, os.PathLike], **overrides: Any) -> Config:

@@ -49,7 +49,9 @@ class CostModel:
         formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
         if formula is None:
             return self.kernel_s
-        fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+        fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(
+            fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs)
+        )
         try:
             flops = formula(*fake_args, out_val=node.meta.get("val"), **fake_kwargs)
         except Exception:  # a formula that does not take this overload's arguments: count a kernel

@@ -157,7 +157,9 @@ def _random_like(op: Any, args: tuple, kwargs: dict) -> Any:
         return stock(op, args, kwargs)
     full = op(torch.empty(like.shape, dtype=like.dtype, device=like._local_tensor.device), *args[1:], **kwargs)
     local = chunk_of(full, like).contiguous()
-    return DTensor.from_local(local, like.device_mesh, like.placements, shape=full.shape, stride=full.stride(), run_check=False)
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, shape=full.shape, stride=full.stride(), run_check=False
+    )
 
 
 def _write_local(target: DTensor, values: Tensor) -> None:

@@ -42,7 +42,7 @@ from .process_state import register_reset
 SYNC, ACCUMULATE, FLUSH = "sync", "accumulate", "flush"
 
 _BUFFERS: dict[int, dict[str, Tensor]] = {}  # plan id -> parameter name -> accumulated full gradient
-_STATES: "weakref.WeakValueDictionary[int, ShardedState]" = weakref.WeakValueDictionary()
+_STATES: weakref.WeakValueDictionary[int, ShardedState] = weakref.WeakValueDictionary()
 
 
 class PendingGradientsError(RuntimeError):

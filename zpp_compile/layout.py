@@ -109,7 +109,7 @@ class ShardedState:
     topology: Topology
     specs: dict[str, ShardSpec]
     mesh: object = None  # the DeviceMesh the parameters' DTensors live on
-    cost_model: Optional["CostModel"] = None
+    cost_model: Optional[CostModel] = None
     plan_id: int = 0  # this shard() call's number in the process (ShardSpec.plan_id)
     recompile_storm_reported: bool = False
     # "sync", "accumulate" (under no_sync) or "flush" (synchronised, gradients pending): grad_sync.py

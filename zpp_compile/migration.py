@@ -128,15 +128,27 @@ _OFFLOAD_SECTIONS = ("offload_param", "offload_optimizer")
 _DEPRECATED_OFFLOAD_FLAGS = ("cpu_offload", "cpu_offload_param")  # DeepSpeed's old spellings
 
 _ZERO_KEYS_READ = frozenset(
-    {"stage", "zero_hpz_partition_size", "zeropp_loco_param", *_ZEROPP_FLAGS, *_BUCKETS,
-     *_OFFLOAD_SECTIONS, *_DEPRECATED_OFFLOAD_FLAGS}
+    {
+        "stage",
+        "zero_hpz_partition_size",
+        "zeropp_loco_param",
+        *_ZEROPP_FLAGS,
+        *_BUCKETS,
+        *_OFFLOAD_SECTIONS,
+        *_DEPRECATED_OFFLOAD_FLAGS,
+    }
 )
 
 # DeepSpeed accepts these stage-3 keys with or without their "stage3_" prefix.
 _STAGE3_PREFIXED = (
-    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
-    "module_granularity_threshold", "use_all_reduce_for_fetch_params",
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
 )
 
 _STAGE_1_2_ONLY = "a DeepSpeed stage 1/2 option"
@@ -177,16 +189,36 @@ _ZERO_KEYS_WITHOUT_EFFECT = {
 _MIXED_PRECISION_SECTIONS = ("bf16", "bfloat16", "fp16")  # "bfloat16": DeepSpeed's older name for bf16
 
 _TOP_LEVEL_KEYS_READ = frozenset(
-    {"zero_optimization", *_MIXED_PRECISION_SECTIONS, "communication_data_type", "data_types",
-     "gradient_clipping"}
+    {"zero_optimization", *_MIXED_PRECISION_SECTIONS, "communication_data_type", "data_types", "gradient_clipping"}
 )
 
 _TRAINING_LOOP_KEYS = frozenset(
-    {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-     "scheduler", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
-     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "dataloader_drop_last",
-     "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "timers",
-     "checkpoint", "elasticity", "autotuning", "data_efficiency", "curriculum_learning"}
+    {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "optimizer",
+        "scheduler",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "memory_breakdown",
+        "dump_state",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "dataloader_drop_last",
+        "flops_profiler",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "comms_logger",
+        "timers",
+        "checkpoint",
+        "elasticity",
+        "autotuning",
+        "data_efficiency",
+        "curriculum_learning",
+    }
 )
 
 _AVERAGED_ONCE = "gradients are summed, then averaged once"
@@ -233,7 +265,7 @@ def _load_deepspeed_config(source: DeepSpeedConfig) -> Mapping[str, Any]:
     return loaded
 
 
-def _read_json(path: Union[str, "os.PathLike[str]"]) -> Any:
+def _read_json(path: Union[str, os.PathLike[str]]) -> Any:
     with open(path, encoding="utf-8") as file:
         try:
             return json.load(file)
@@ -274,7 +306,7 @@ def _require_stage_3(zero: Mapping[str, Any]) -> None:
         return
     said = f"={stage!r}" if "stage" in zero else " is not set (DeepSpeed's default: 0, no ZeRO)"
     raise ValueError(
-        f"zero_optimization.stage{said}: zpp_compile implements ZeRO-3 only. Set \"stage\": 3 here "
+        f'zero_optimization.stage{said}: zpp_compile implements ZeRO-3 only. Set "stage": 3 here '
         "(adding save_gathered_weights=True gives stage 2's traffic: one all-gather and one "
         "reduce-scatter per step), or keep stage 1/2 outside zpp_compile: DDP, or FSDP2 with "
         "reshard_after_forward=False."
@@ -283,8 +315,10 @@ def _require_stage_3(zero: Mapping[str, Any]) -> None:
 
 def _refuse_offload(zero: Mapping[str, Any]) -> None:
     """Offload moves shards or optimizer state off the device, which zpp_compile cannot do."""
-    fix = ("zpp_compile keeps shards, gradients and optimizer state on the training device "
-           "(more ranks make each rank's shard smaller).")
+    fix = (
+        "zpp_compile keeps shards, gradients and optimizer state on the training device "
+        "(more ranks make each rank's shard smaller)."
+    )
     for key in _OFFLOAD_SECTIONS:
         device = _section(zero, key, f"zero_optimization.{key}").get("device", "none")
         if device not in (None, "none"):
@@ -361,7 +395,8 @@ def _read_reduce_dtype(ds: Mapping[str, Any], translation: _Translation) -> None
             )
     elif accumulation is not _UNSET:
         translation.set(
-            "reduce_dtype", _dtype(accumulation, "data_types.grad_accum_dtype"),
+            "reduce_dtype",
+            _dtype(accumulation, "data_types.grad_accum_dtype"),
             f"data_types.grad_accum_dtype={accumulation!r}",
         )
 

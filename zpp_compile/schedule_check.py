@@ -67,7 +67,7 @@ class Schedule:
     label: str
     entries: tuple[ScheduledCollective, ...]
 
-    def named(self, names: dict[int, str]) -> "Schedule":
+    def named(self, names: dict[int, str]) -> Schedule:
         """This schedule with graph-input placeholders replaced by the names of this call's parameters."""
         if not names:
             return self
@@ -110,7 +110,7 @@ class _CheckedRuns:
         self.done = 0
         self.limit: Optional[int] = 0
 
-    def configure(self, setting: "bool | int") -> None:
+    def configure(self, setting: bool | int) -> None:
         """Take the most checking any sharded model of the process asked for."""
         if setting is True or self.limit is None:
             self.limit = None

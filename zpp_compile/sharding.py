@@ -135,7 +135,10 @@ def _warn_on_block_padding(state: ShardedState) -> None:
     Blocks much larger than the shards multiply the bytes on the wire (and the kernels' work)."""
     config = state.config
     sharded = [s for s in state.specs.values() if not s.replicated]
-    for name, enabled in (("weight_block_size", config.quantize_weights), ("gradient_block_size", config.quantize_gradients)):
+    for name, enabled in (
+        ("weight_block_size", config.quantize_weights),
+        ("gradient_block_size", config.quantize_gradients),
+    ):
         block = getattr(config, name)
         elements = sum(s.shard_numel for s in sharded)
         padded = sum(num_blocks(s.shard_numel, block) * block for s in sharded)

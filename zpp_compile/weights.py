@@ -205,7 +205,11 @@ def _targets(model: nn.Module) -> dict[str, tuple[nn.Module, Tensor]]:
 
 def _check(targets: dict, shapes: dict, strict: bool, source: str) -> None:
     problems = []
-    wrong = [f"{k}: the source has {shapes[k]}, the model {tuple(t.shape)}" for k, (_, t) in targets.items() if k in shapes and shapes[k] != tuple(t.shape)]
+    wrong = [
+        f"{k}: the source has {shapes[k]}, the model {tuple(t.shape)}"
+        for k, (_, t) in targets.items()
+        if k in shapes and shapes[k] != tuple(t.shape)
+    ]
     if wrong:
         problems.append("shape mismatch for " + "; ".join(wrong))
     if strict:
@@ -237,5 +241,10 @@ def _write(module: nn.Module, name: str, tensor: Tensor, read: RowReader, rank: 
 def _as_full_rows(rows: Tensor, tensor: DTensor, spec: Any, rank: int) -> DTensor:
     """This rank's rows as a DTensor of the parameter's layout (what the int8 payload takes)."""
     return DTensor.from_local(
-        rows.to(spec.dtype), tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride(), run_check=False
+        rows.to(spec.dtype),
+        tensor.device_mesh,
+        tensor.placements,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+        run_check=False,
     )

@@ -18,7 +18,7 @@ SHAPES = [(2, 2, 64, 8), (1, 4, 384, 128), (2, 4, 600, 200), (4, 1, 256, 64), (2
 
 def _values(nodes: int, local: int, chunk: int, block: int, dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(chunk + block)
-    values = (torch.randn(nodes, local, chunk, generator=g) * torch.exp(torch.randn(nodes, local, chunk, generator=g)))
+    values = torch.randn(nodes, local, chunk, generator=g) * torch.exp(torch.randn(nodes, local, chunk, generator=g))
     values[0, 0, :block] = 0  # an all-zero block
     values[-1, -1, -1] = math.nan
     values[0, -1, 0] = -math.inf
@@ -47,7 +47,9 @@ def test_swizzled_quantize_writes_the_reference_payload(nodes, local, chunk, blo
     values = _values(nodes, local, chunk, block, dtype)
     residual = torch.randn(local, nodes, chunk).to(DEVICE) if feedback else None
     got_payload, got_error = triton_int4.quantize_swizzled(values, block, residual)
-    want_payload, want_error = reference.quantize_int4_swizzled(values.cpu(), block, None if residual is None else residual.cpu())
+    want_payload, want_error = reference.quantize_int4_swizzled(
+        values.cpu(), block, None if residual is None else residual.cpu()
+    )
     _assert_same(got_payload, want_payload)
     if feedback:
         _assert_same(got_error, want_error)
@@ -60,7 +62,9 @@ def test_swizzled_quantize_writes_the_reference_payload(nodes, local, chunk, blo
 def test_fused_dequantize_reduce_requantize_matches_the_reference(senders, rows, chunk, block, feedback):
     payloads = _payloads(senders, rows, chunk, block)
     residual = torch.randn(rows, chunk) if feedback else None
-    got = triton_int4.dequantize_reduce_requantize(payloads.to(DEVICE), chunk, block, None if residual is None else residual.to(DEVICE))
+    got = triton_int4.dequantize_reduce_requantize(
+        payloads.to(DEVICE), chunk, block, None if residual is None else residual.to(DEVICE)
+    )
     want = reference.dequantize_reduce_requantize(payloads, chunk, block, residual)
     _assert_same(got[0], want[0])
     if feedback:

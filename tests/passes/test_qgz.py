@@ -68,7 +68,9 @@ def _three_reductions_graph(world: int):
     """Gradients of 4000, 1000 and 2000 fp32 values (16000, 4000, 8000 bytes), reduced in this order."""
 
     def backward(a, b, c):
-        return [torch.ops.zpp.reduce_grad(g, g.numel(), g.numel() // world, world, "world") for g in (a * 2, b * 2, c * 2)]
+        return [
+            torch.ops.zpp.reduce_grad(g, g.numel(), g.numel() // world, world, "world") for g in (a * 2, b * 2, c * 2)
+        ]
 
     return trace(backward, torch.randn(4000), torch.randn(1000), torch.randn(2000))
 

@@ -4,9 +4,9 @@ import torch
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
 from zpp_compile.cost_model import CostModel
-from zpp_compile.plan import peak_collective_bytes
 from zpp_compile.passes import bucket_collectives, lower_gather, lower_reduce, schedule_overlap
 from zpp_compile.passes.graph_utils import COLLECTIVE_STARTS
+from zpp_compile.plan import peak_collective_bytes
 
 from .helpers import context, trace
 
@@ -33,7 +33,11 @@ def _order(gm) -> list[str]:
 
 def _kinds(gm) -> list[str]:
     """The graph as a sequence of 'start', 'wait' and 'mm' (other nodes left out)."""
-    kinds = {**{t: "start" for t in COLLECTIVE_STARTS}, c10d.wait_tensor.default: "wait", torch.ops.aten.mm.default: "mm"}
+    kinds = {
+        **{t: "start" for t in COLLECTIVE_STARTS},
+        c10d.wait_tensor.default: "wait",
+        torch.ops.aten.mm.default: "mm",
+    }
     return [kinds[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in kinds]
 
 

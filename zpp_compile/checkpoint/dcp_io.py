@@ -15,17 +15,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
+from ..error_feedback import error_state, restore_error_state
+from ..grad_sync import refuse_pending
 from ..layout import sharded_state, unwrap_compiled
 from .checksums import gather_checksums, verify_checksums, with_unclaimed_files
 from .folders import Marker, PathLike, SaveFolders, read_metadata, require_complete
 from .optimizer import check_hyper_parameter_keys, load_optimizer_state_dict, optimizer_class_name, optimizer_state_dict
-from .ranks import on_rank0
-from ..error_feedback import error_state, restore_error_state
-from ..grad_sync import refuse_pending
 from .per_rank import as_rows, own_rows, rows_load_target
+from .ranks import on_rank0
 from .rng import RNG_KEY, restore_rng_states, rng_load_target, rng_states
 from .state_dict import CheckpointMismatchError
 
@@ -143,7 +142,9 @@ def _checked_load_targets(
     rng = rng_load_target(_saved_sizes(metadata, paths, RNG_KEY), mesh, os.fspath(path))
     if rng:
         state[RNG_KEY] = rng
-    errors = rows_load_target(_saved_sizes(metadata, paths, QGZ_ERROR_KEY), mesh, "qgZ error-feedback state", os.fspath(path))
+    errors = rows_load_target(
+        _saved_sizes(metadata, paths, QGZ_ERROR_KEY), mesh, "qgZ error-feedback state", os.fspath(path)
+    )
     if errors:
         state[QGZ_ERROR_KEY] = errors
     return state

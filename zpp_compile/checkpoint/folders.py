@@ -55,7 +55,7 @@ class Marker:
     checksums: Optional[dict[str, str]]  # data file name -> sha256 hex digest, when saved with checksums
 
     @classmethod
-    def new(cls, world_size: int, optimizer: Optional[str], checksums: Optional[dict[str, str]]) -> "Marker":
+    def new(cls, world_size: int, optimizer: Optional[str], checksums: Optional[dict[str, str]]) -> Marker:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         return cls(FORMAT_VERSION, world_size, now, optimizer, checksums)
 
@@ -210,7 +210,7 @@ class SaveFolders:
         return self.target.with_name(f"{self.target.name}{OLD_TAG}{self.token}")
 
     @classmethod
-    def new(cls, target: PathLike) -> "SaveFolders":
+    def new(cls, target: PathLike) -> SaveFolders:
         """A fresh token for a save to `target` (on rank 0), after checking `target` may be replaced."""
         target = Path(target)
         _check_replaceable(target)

@@ -72,7 +72,8 @@ def load_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, st
         p = params[fqn]
         current = optim.state.get(p, {})
         new_state[p] = {
-            key: _state_value(p, value, current.get(key), f"optimizer state {fqn}.{key}") for key, value in entries.items()
+            key: _state_value(p, value, current.get(key), f"optimizer state {fqn}.{key}")
+            for key, value in entries.items()
         }
     for group, saved in zip(optim.param_groups, state_dict["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
@@ -100,7 +101,9 @@ def _check_groups(model: nn.Module, optim: torch.optim.Optimizer, state_dict: di
         params.update(named)
     unknown = sorted(set(state_dict["state"]) - set(params))
     if unknown:
-        raise CheckpointMismatchError(f"the checkpoint has optimizer state for parameters the optimizer lacks: {unknown}")
+        raise CheckpointMismatchError(
+            f"the checkpoint has optimizer state for parameters the optimizer lacks: {unknown}"
+        )
     return params
 
 

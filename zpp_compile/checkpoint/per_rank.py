@@ -20,7 +20,9 @@ def as_rows(state: Tensor, mesh: DeviceMesh) -> DTensor:
     """This rank's `state` as its row of a [world, *state.shape] DTensor."""
     row = state.unsqueeze(0).contiguous()
     shape = (mesh.size(), *state.shape)
-    return DTensor.from_local(row, mesh, [Shard(0)], shape=shape, stride=torch.empty(shape, device="meta").stride(), run_check=False)
+    return DTensor.from_local(
+        row, mesh, [Shard(0)], shape=shape, stride=torch.empty(shape, device="meta").stride(), run_check=False
+    )
 
 
 def rows_load_target(

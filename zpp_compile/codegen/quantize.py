@@ -94,9 +94,7 @@ def quantize_packed(shard: Tensor, block: int) -> Tensor:
     return pack_payload(*quantize_int8_blocks(shard, block))
 
 
-def dequantize_packed(
-    payloads: Tensor, group_size: int, shard_numel: int, block: int, dtype: torch.dtype
-) -> Tensor:
+def dequantize_packed(payloads: Tensor, group_size: int, shard_numel: int, block: int, dtype: torch.dtype) -> Tensor:
     """All ranks' payloads, concatenated -> the flat full tensor (shard_numel * group_size) in `dtype`."""
     nb = num_blocks(shard_numel, block)
     q, scale = unpack_payloads(payloads, group_size, shard_numel, block)

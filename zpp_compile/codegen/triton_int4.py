@@ -27,7 +27,9 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from .int4 import OFFSET as _OFFSET, QMAX as _QMAX, chunk_payload_numel
+from .int4 import OFFSET as _OFFSET
+from .int4 import QMAX as _QMAX
+from .int4 import chunk_payload_numel
 from .triton_quantize import block_scales, quantize_to_grid, tiling
 
 # Compiled Triton reads a module global in a kernel only if it is a tl.constexpr (the

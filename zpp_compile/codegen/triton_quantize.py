@@ -22,7 +22,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from .quantize import QMAX as _QMAX, num_blocks, payload_numel
+from .quantize import QMAX as _QMAX
+from .quantize import num_blocks, payload_numel
 
 # Compiled Triton reads a module global in a kernel only if it is a tl.constexpr (the
 # interpreter, which the CPU tests use, does not check: found on a GPU).
@@ -124,9 +125,7 @@ def quantize_packed(shard: Tensor, block: int) -> Tensor:
 
 
 @triton_op("zpp::triton_dequantize_packed", mutates_args=())
-def dequantize_packed(
-    payloads: Tensor, group_size: int, shard_numel: int, block: int, dtype: torch.dtype
-) -> Tensor:
+def dequantize_packed(payloads: Tensor, group_size: int, shard_numel: int, block: int, dtype: torch.dtype) -> Tensor:
     """All ranks' payloads, concatenated -> the flat full tensor (shard_numel * group_size) in `dtype`."""
     n_blocks = num_blocks(shard_numel, block)
     out = torch.empty(group_size * shard_numel, dtype=dtype, device=payloads.device)

@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch.fx as fx
 
-from .context import PassContext
 from .bucket_collectives import bucket_collectives
+from .context import PassContext
 from .dedupe_gathers import dedupe_gathers
 from .hpz import hpz
 from .lower_gather import lower_gather

@@ -21,6 +21,9 @@ class PassContext:
     phase: str = "dynamo"  # "dynamo" | "joint" | "partitioned" | "forward" | "backward" | "inference"
     cost_model: Optional[CostModel] = None  # None: the scheduling passes leave the order alone
     plan_id: int = -1  # the shard() call whose model this graph belongs to (qgZ's error slots)
+    # The names of the parameters the Dynamo graph was compiled for, in input order: what its
+    # error slots are keyed by (a recompile of the same region names the same ones).
+    parameter_names: tuple[str, ...] = ()
     # The decomposition table of the lowering, for passes that trace torch code into the graph.
     decompositions: dict = dataclasses.field(default_factory=dict)
     _dump_step: int = 0
@@ -42,5 +45,5 @@ class PassContext:
             f.write(gm.print_readable(print_output=False, include_stride=True, include_device=True))
         return path
 
-    def for_phase(self, phase: str) -> "PassContext":
+    def for_phase(self, phase: str) -> PassContext:
         return dataclasses.replace(self, phase=phase, _dump_step=0)

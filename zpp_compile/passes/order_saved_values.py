@@ -36,7 +36,9 @@ def order_saved_values(
     # The partitioner's convention: the forward saves [values | symints], the backward takes
     # [symints | values], each value at the same position (names may differ: RNG states).
     pairs = list(zip(saved[: len(saved) - len(symints)], saved_inputs[len(symints) :]))
-    ordered = [pair for pair in pairs if not is_opaque_node(pair[0])] + [pair for pair in pairs if is_opaque_node(pair[0])]
+    ordered = [pair for pair in pairs if not is_opaque_node(pair[0])] + [
+        pair for pair in pairs if is_opaque_node(pair[0])
+    ]
     if ordered == pairs or saved[len(pairs) :] != symints:
         log.debug("order_saved_values: %s: saved values already in order; graphs unchanged", ctx.label)
         return fw_gm, bw_gm

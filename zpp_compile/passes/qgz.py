@@ -52,7 +52,9 @@ def qgz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     for marker in markers:
         if marker.args[3] != ctx.topology.world_size:
-            raise NotImplementedError(f"qgz: {marker.name} reduces over {marker.args[3]} ranks; qgZ reduces over the world.")
+            raise NotImplementedError(
+                f"qgz: {marker.name} reduces over {marker.args[3]} ranks; qgZ reduces over the world."
+            )
     draws = random_nodes(gm.graph)
     for bucket in bucket_by_bytes(markers, _gradient_bytes, ctx.config.reduce_bucket_bytes):
         _rewrite_bucket(gm.graph, bucket, ctx)
@@ -84,9 +86,12 @@ def _rewrite_bucket(graph: fx.Graph, bucket: list[fx.Node], ctx: PassContext) ->
 
 
 def _error_slots(bucket: list[fx.Node], ctx: PassContext) -> tuple[int, int]:
-    """The bucket's two error-feedback slots, keyed by its parameters so that a recompiled graph
-    and a resumed run find the errors of the same gradients (see error_feedback.py)."""
-    bucket_key = f"{bucket[0].kwargs.get('fqn') or bucket[0].name}+{len(bucket)}"
+    """The bucket's two error-feedback slots, keyed by the graph's parameters and the bucket's
+    place in it (graphs name no parameters: one graph may serve several modules), so that a
+    recompiled graph and a resumed run find the errors of the same gradients (error_feedback.py)."""
+    names = ctx.parameter_names
+    graph_key = f"{names[0]}..{names[-1]}({len(names)})" if names else ctx.label
+    bucket_key = f"{graph_key}/{bucket[0].name}+{len(bucket)}"
     return tuple(new_slot(ctx.plan_id, f"{bucket_key}/stage{stage}") for stage in (1, 2))
 
 
@@ -108,14 +113,18 @@ def qgz_reduce_scatter(
     kernels = kernels or quant_kernels(grads[0].device)
     world, local, nodes = topology.world_size, topology.ranks_per_node, topology.num_nodes
     chunks = [-(-shard // block) * block for shard in shards]
-    values = torch.cat([_node_rank_chunks(g, n, s, c, nodes, local) for g, n, s, c in zip(grads, numels, shards, chunks)], -1)
+    values = torch.cat(
+        [_node_rank_chunks(g, n, s, c, nodes, local) for g, n, s, c in zip(grads, numels, shards, chunks)], -1
+    )
     chunk = values.shape[-1]
     slots = error_slots or (None, None)
     stores: list[Tensor] = []  # error-feedback stores: 0-dim zeros that keep them live
     if local == 1 and nodes == 1:
         total = values.view(chunk)
     elif nodes == 1:  # one node: the in-node stage gives the world sums
-        received = _all_to_all(_quantize_swizzled(values, block, kernels, slots[0], stores), local, topology.node_group_name)
+        received = _all_to_all(
+            _quantize_swizzled(values, block, kernels, slots[0], stores), local, topology.node_group_name
+        )
         total = kernels.int4_dequantize_reduce(received.view(local, 1, -1), chunk, block).view(chunk)
     else:
         if local == 1:  # nothing to sum inside the node: no first int4 round trip

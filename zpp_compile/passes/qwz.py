@@ -35,7 +35,9 @@ def qwz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.config.quantize_weights:
         log.debug("qwz: %s: Config.quantize_weights is off; graph unchanged", ctx.label)
         return gm
-    rewrite = functools.partial(_quantized_gather, block=ctx.config.weight_block_size, decompositions=ctx.decompositions)
+    rewrite = functools.partial(
+        _quantized_gather, block=ctx.config.weight_block_size, decompositions=ctx.decompositions
+    )
     return rewrite_calls(gm, torch.ops.zpp.gather_param.default, rewrite, "qwz", ctx.label)
 
 

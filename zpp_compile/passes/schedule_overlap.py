@@ -19,6 +19,7 @@ depends on them but the output. Only graph order changes; values are identical.
 from __future__ import annotations
 
 import logging
+
 import torch.fx as fx
 
 from ..comm import group_ranks
@@ -71,7 +72,9 @@ def _unpacking_chain(wait: fx.Node) -> set[fx.Node]:
         for user in list(frontier.pop().users):
             if user in chain or user.op != "call_function":
                 continue
-            if all(arg in chain or not arg.all_input_nodes and arg.op == "call_function" for arg in user.all_input_nodes):
+            if all(
+                arg in chain or not arg.all_input_nodes and arg.op == "call_function" for arg in user.all_input_nodes
+            ):
                 chain.add(user)
                 frontier.append(user)
     return chain

@@ -30,4 +30,3 @@ def tag_parameter_inputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             if source in position:
                 node.meta.setdefault("custom", {})[PARAM_INPUT] = position[source]
     return gm
-
