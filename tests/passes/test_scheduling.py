@@ -116,3 +116,37 @@ def test_without_a_cost_model_the_order_is_left_alone(group_of_one):
     gm, _ = _three_layers(group_of_one)
     order = _order(gm)
     assert _order(schedule_overlap(gm, context(group_of_one, cost_model=None))) == order
+
+
+def test_a_sunk_wait_takes_along_the_buffers_its_unpacking_writes_into(group_of_one):
+    """On CUDA the dequantize after a gather is a Triton kernel writing into an `empty` buffer that
+    may sit below the wait's first other user; sinking the unpacking chain must move the buffer
+    too (a GPU run failed lint with 'empty_95 used before it has been defined')."""
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    start = graph.call_function(c10d.all_gather_into_tensor.default, (x, 1, group_of_one))
+    wait = graph.call_function(c10d.wait_tensor.default, (start,))
+    first_use = graph.call_function(torch.ops.aten.add.Tensor, (wait, y))  # needs more than the wait
+    buffer = graph.call_function(torch.ops.aten.empty.memory_format, ([4],), {"dtype": torch.float32})
+    unpacked = graph.call_function(torch.ops.aten.copy.default, (buffer, wait))  # only the wait and a buffer
+    total = graph.call_function(torch.ops.aten.add.Tensor, (unpacked, first_use))
+    graph.output((total,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    args = (torch.randn(4), torch.randn(4))
+    want = _run_recording_values(gm, args)
+    gm = schedule_overlap(gm, context(group_of_one, cost_model=SLOW_LINK, prefetch_limit=2))
+    gm.graph.lint()  # every node after its inputs
+    order = _order(gm)
+    assert order.index(buffer.name) < order.index(unpacked.name) < order.index(first_use.name)
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+
+
+def _run_recording_values(gm: torch.fx.GraphModule, args: tuple) -> object:
+    """Run `gm`, keeping each node's value in node.meta["val"] as traced graphs have it."""
+
+    class Recording(torch.fx.Interpreter):
+        def run_node(self, node):
+            node.meta["val"] = result = super().run_node(node)
+            return result
+
+    return Recording(gm).run(*args)

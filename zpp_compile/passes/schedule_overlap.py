@@ -60,8 +60,20 @@ def _sink_wait(wait: fx.Node) -> None:
         return
     order = _positions(wait.graph)
     first_use = min(users, key=order.__getitem__)
-    for node in sorted(chain, key=order.__getitem__):
+    # Buffers the chain writes into (a Triton kernel's `empty` output) may sit below first_use:
+    # they move up with it. Nothing above first_use uses them, so moving them is safe.
+    late_buffers = {arg for arg in _constant_inputs(chain) if order[arg] > order[first_use]}
+    for node in sorted(chain | late_buffers, key=order.__getitem__):
         first_use.prepend(node)
+
+
+def _constant_inputs(chain: set[fx.Node]) -> set[fx.Node]:
+    """Inputs of the chain that need no input themselves (empty, zeros, full)."""
+    return {arg for node in chain for arg in node.all_input_nodes if arg not in chain and _is_constant(arg)}
+
+
+def _is_constant(node: fx.Node) -> bool:
+    return node.op == "call_function" and not node.all_input_nodes
 
 
 def _unpacking_chain(wait: fx.Node) -> set[fx.Node]:
@@ -72,9 +84,7 @@ def _unpacking_chain(wait: fx.Node) -> set[fx.Node]:
         for user in list(frontier.pop().users):
             if user in chain or user.op != "call_function":
                 continue
-            if all(
-                arg in chain or not arg.all_input_nodes and arg.op == "call_function" for arg in user.all_input_nodes
-            ):
+            if all(arg in chain or _is_constant(arg) for arg in user.all_input_nodes):
                 chain.add(user)
                 frontier.append(user)
     return chain
