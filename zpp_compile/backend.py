@@ -87,12 +87,13 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
 
         return compile_fx(gm, example_inputs)
     _report_recompile_storm(state)
+    param_positions = [i for i, v in enumerate(example_inputs) if shard_spec(v) is not None]
     use_inductor = state.config.lowering == "inductor"
     decompositions = _inductor_decompositions() if use_inductor else {}
     ctx = passes.PassContext(
         config=state.config, topology=state.topology, graph_id=next(_graph_ids), decompositions=decompositions,
         cost_model=state.cost_model, plan_id=state.plan_id,
-        parameter_names=tuple(shard_spec(v).fqn for v in example_inputs if shard_spec(v) is not None),
+        parameter_names=tuple(shard_spec(example_inputs[i]).fqn for i in param_positions),
     )  # fmt: skip
     _RECORDS[ctx.graph_id] = GraphRecord(ctx.graph_id)
     gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
@@ -104,7 +105,7 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
         partition_fn=functools.partial(_partition, ctx=ctx),
         decompositions=decompositions,
     )(gm, example_inputs)
-    return _naming_parameters(compiled, [i for i, v in enumerate(example_inputs) if shard_spec(v) is not None])
+    return _naming_parameters(compiled, param_positions)
 
 
 def _naming_parameters(compiled: Callable, positions: list[int]) -> Callable:
