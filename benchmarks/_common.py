@@ -9,7 +9,22 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator, Optional, TypeVar
+
+T = TypeVar("T")
+
+
+def tracked(items: Iterable[T], desc: str, total: Optional[int] = None) -> Iterator[T]:
+    """Yield items under a progress bar on stderr (tqdm when installed, else a line every tenth of
+    the way): shown by the launching process and by rank 0 of a worker group, silent on other ranks."""
+    from examples.training_utils import progress
+
+    items = list(items) if total is None else items
+    enabled = os.environ.get("RANK", "0") == "0"
+    with progress(len(items) if total is None else total, enabled, desc) as bar:
+        for item in items:
+            yield item
+            bar.update()
 
 
 def step_peak_bytes(step: Callable[[], None]) -> int:

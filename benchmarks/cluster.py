@@ -94,7 +94,9 @@ def launch(node: int, worker: list[str], nproc_per_node: int, env: dict[str, str
     cmd = ["ip", "netns", "exec", NAMESPACES[node], sys.executable, "-m", "torch.distributed.run",
            "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(nproc_per_node),
            "--master-addr", ADDRESSES[0], "--master-port", str(MASTER_PORT), *worker]  # fmt: skip
-    return subprocess.Popen(cmd, env={**os.environ, **env, "GLOO_SOCKET_IFNAME": VETHS[node], "OMP_NUM_THREADS": "1"})
+    # A session of its own: the node's torchrun and its workers are killed as one process group.
+    env = {**os.environ, **env, "GLOO_SOCKET_IFNAME": VETHS[node], "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, start_new_session=True)
 
 
 def run_on_cluster(worker: list[str], nproc_per_node: int, timeout_s: float, env: dict[str, str]) -> None:
@@ -102,12 +104,18 @@ def run_on_cluster(worker: list[str], nproc_per_node: int, timeout_s: float, env
     nodes = [launch(node, worker, nproc_per_node, env) for node in range(2)]
     try:
         codes = [p.wait(timeout=timeout_s) for p in nodes]
-    finally:
+    finally:  # also on SIGTERM: two_node_cluster turns it into SystemExit
         for p in nodes:
-            if p.poll() is None:
-                p.kill()
+            _kill_group(p)
     if any(codes):
         raise RuntimeError(f"a node failed (exit codes {codes}); see the output above")
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """Kill a node's torchrun and every worker it started (they share its process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
 
 
 def link_bytes() -> int:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zpp_compile  # noqa: E402
+from benchmarks._common import tracked  # noqa: E402
 from benchmarks.cluster import link_bytes  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -185,12 +186,12 @@ def main() -> None:
         0, MODEL.vocab_size, (BATCH, MODEL.block_size + 1), generator=torch.Generator().manual_seed(dist.get_rank())
     )
     steps, first = {}, {}
-    for name in names:
+    for name in tracked(names, "first steps (compile)"):
         steps[name] = build_step(*ALL_CONFIGS[name])
         first[name] = measure(steps[name], tokens)["s"]
         measure(steps[name], tokens)
     samples = {name: [] for name in names}
-    for _ in range(args.steps):
+    for _ in tracked(range(args.steps), "timed steps, every config"):
         for name in names:
             samples[name].append(measure(steps[name], tokens))
     if dist.get_rank() == 0:

@@ -34,6 +34,7 @@ from benchmarks._common import (  # noqa: E402
     reset_compiled_state,
     run_workers,
     step_peak_bytes,
+    tracked,
 )
 
 CONFIGS = {
@@ -111,7 +112,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    results = [measure(label, options, args) for label, options in CONFIGS.items()]
+    results = [measure(label, options, args) for label, options in tracked(CONFIGS.items(), "configs")]
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import benchmark_parser, publish, run_workers  # noqa: E402
+from benchmarks._common import benchmark_parser, publish, run_workers, tracked  # noqa: E402
 
 CONFIGS = ("zeropp", "zeropp_compiled", "zeropp_full", "fsdp2", "ddp")
 SEQ, BATCH, VOCAB = 128, 2, 50257
@@ -89,7 +89,7 @@ def measure(name: str, steps: int, ranks_per_node: int) -> dict:
     after_init = _rss_mb()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(steps):
+    for _ in tracked(range(steps), f"{name}: steps"):
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
         run(input_ids=ids, labels=ids).loss.backward()
         opt.step()
@@ -122,7 +122,7 @@ def main() -> None:
         dist.destroy_process_group()
         return
     rows = []
-    for name in args.configs.split(","):
+    for name in tracked(args.configs.split(","), "configs"):
         per_rank = run_workers(__file__, args.nproc, ["--config", name, "--steps", str(args.steps)])
         rows.append((name, max(r["after_init_mb"] for r in per_rank), max(r["peak_mb"] for r in per_rank)))
         print(f"{name}: {rows[-1]}", flush=True)

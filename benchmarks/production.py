@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import benchmark_parser, publish, reset_compiled_state, run_workers  # noqa: E402
+from benchmarks._common import benchmark_parser, publish, reset_compiled_state, run_workers, tracked  # noqa: E402
 from examples.train_gpt import sample_batch  # noqa: E402
 
 CONFIGS = {
@@ -92,7 +92,7 @@ def train(label: str, options: dict, args: argparse.Namespace) -> tuple[dict, ob
     counter = zpp_compile.comm_counter()
     train_data, val_data = _data()
     seconds, loss = [], None
-    for step in range(args.steps):
+    for step in tracked(range(args.steps), f"{label}: steps"):
         g = torch.Generator().manual_seed(step * world + rank)
         x, y = sample_batch(train_data, 4, GPT_SIZE["block_size"], g)
         counter.reset()

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import benchmark_parser, publish, run_workers, step_peak_bytes  # noqa: E402
+from benchmarks._common import benchmark_parser, publish, run_workers, step_peak_bytes, tracked  # noqa: E402
 
 OFF = {"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0, "prefetch_limit": 0}
 ZERO_PP = {"quantize_weights": True, "hpz_size": 2, "quantize_gradients": True}
@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     runs = [build(label, options, args) for label, options in CONFIGS.items()]
     counter = zpp_compile.comm_counter()
-    for run in runs:
+    for run in tracked(runs, "first steps (compile)"):
         known = len(zpp_compile.compiled_graphs())
         start = time.perf_counter()
         run["step"]()
@@ -82,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
         run["peak"] = step_peak_bytes(run["step"])
         run["calls"] = counter.calls()
         run["times"] = []
-    for _ in range(args.steps):
+    for _ in tracked(range(args.steps), "timed steps, every config"):
         for run in runs:
             dist.barrier()
             start = time.perf_counter()

@@ -47,6 +47,7 @@ from examples.training_utils import (  # noqa: E402,F401  (sample_batch etc.: th
     LossFn,
     StepRecord,
     build_model,
+    compile_times_logged,
     forward_backward,
     history_tensor,
     load_stdlib_bytes,
@@ -104,6 +105,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     io.add_argument("--log-every", type=int, default=20)
     io.add_argument("--notice-every", type=float, default=10.0, metavar="S",
                     help="while the first step (compilation) runs, say every S seconds how long it has taken")  # fmt: skip
+    io.add_argument("--quiet-compile", action="store_true",
+                    help="do not print each graph's compile time per stage (logger zpp_compile.compile_time)")  # fmt: skip
     io.add_argument("--out-dir", default="runs")
     args = p.parse_args(argv)
     if args.device == "cuda":
@@ -213,7 +216,10 @@ def main() -> None:
                          for _ in range(args.grad_accum)]  # fmt: skip
         if step == last_saved + 1:
             label = "first step (eager)" if args.eager else "compiling (first step)"
-            with FirstStepNotice(label, enabled=rank == 0, every=args.notice_every, write=write) as notice:
+            with (
+                FirstStepNotice(label, enabled=rank == 0, every=args.notice_every, write=write) as notice,
+                compile_times_logged(write, enabled=rank == 0 and not args.quiet_compile),
+            ):
                 loss = forward_backward(run, loss_fn, micro_batches, no_sync)
             first_step_s = notice.seconds
         else:

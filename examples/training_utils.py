@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import logging
 import math
 import resource
 import sys
@@ -17,7 +18,7 @@ import sysconfig
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -293,6 +294,34 @@ def plot_loss_curve(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+@contextlib.contextmanager
+def compile_times_logged(write: Callable[[str], None], enabled: bool) -> Iterator[None]:
+    """Route zpp_compile's INFO lines on each graph's compile time per stage (logger
+    "zpp_compile.compile_time") to `write` while the block runs; nothing when not `enabled`."""
+    logger = logging.getLogger("zpp_compile.compile_time")
+    if not enabled:
+        yield
+        return
+    handler = _CallbackHandler(write)
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
+class _CallbackHandler(logging.Handler):
+    def __init__(self, write: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self.write = write
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.write(self.format(record))
 
 
 # -------------------------------------------------------------------------------- progress bar

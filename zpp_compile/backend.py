@@ -11,6 +11,7 @@ Dynamo graph (zpp.gather_param markers on parameter shards)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib.metadata
@@ -26,7 +27,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from . import comm, compat, passes
+from . import comm, compat, compile_timing, passes
 from .faults import explained_collective_failures
 from .layout import ShardedState, shard_spec, state_of_shard
 from .plan import as_scheduled, collectives_in, marker_schedule
@@ -60,6 +61,12 @@ class GraphRecord:
     backward: Optional[fx.GraphModule] = None
     saved_for_backward: list[torch.Tensor] = dataclasses.field(default_factory=list)
     collectives: dict[str, list[comm.Collective]] = dataclasses.field(default_factory=dict)
+    # Compile seconds per stage ("forward/qwz", "backward/inductor", "aot_autograd", ...): see
+    # zpp_compile.compile_timing.
+    compile_seconds: compile_timing.StageSeconds = dataclasses.field(default_factory=compile_timing.StageSeconds)
+    # Per phase ("forward", "backward", "inference"), what Inductor's FX-graph cache did: "hit",
+    # "miss", "bypass" (uncacheable), "off" (caches disabled); empty under lowering="aot_eager".
+    inductor_cache: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 _RECORDS: dict[int, GraphRecord] = {}
@@ -95,16 +102,19 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
         cost_model=state.cost_model, plan_id=state.plan_id,
         parameter_names=tuple(shard_spec(example_inputs[i]).fqn for i in param_positions),
     )  # fmt: skip
-    _RECORDS[ctx.graph_id] = GraphRecord(ctx.graph_id)
-    gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
-    compile_graph = functools.partial(_compile_partitioned, use_inductor=use_inductor)
-    compiled = aot_autograd(
-        fw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("forward")),
-        bw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("backward")),
-        inference_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("inference")),
-        partition_fn=functools.partial(_partition, ctx=ctx),
-        decompositions=decompositions,
-    )(gm, example_inputs)
+    _RECORDS[ctx.graph_id] = GraphRecord(ctx.graph_id, compile_seconds=ctx.stage_seconds)
+    # Exclusive timing: what the stages inside do not account for is AOTAutograd's own work.
+    with ctx.stage_seconds.timed(compile_timing.AOT_TRACE):
+        gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
+        compile_graph = functools.partial(_compile_partitioned, use_inductor=use_inductor)
+        compiled = aot_autograd(
+            fw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("forward")),
+            bw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("backward")),
+            inference_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("inference")),
+            partition_fn=functools.partial(_partition, ctx=ctx),
+            decompositions=decompositions,
+        )(gm, example_inputs)
+    compile_timing.log_graph(f"graph {ctx.graph_id}", ctx.stage_seconds)
     return _naming_parameters(compiled, param_positions)
 
 
@@ -183,7 +193,8 @@ def _partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: passes.PassC
         return partition(joint_gm, joint_inputs, **kwargs)
     from torch._inductor.compile_fx import partition_fn
 
-    with eager_random_ops():
+    # Exclusive timing: this stage is Inductor's joint-graph passes, the ones inside are ours.
+    with eager_random_ops(), ctx.stage_seconds.timed("joint/inductor_joint_passes"):
         return partition_fn(joint_gm, joint_inputs, partitioner_fn_override=partition, **kwargs)
 
 
@@ -203,8 +214,10 @@ def _partition_sharded(joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: pass
     if ctx.config.save_gathered_weights:  # keep the gathered weights: no recompute tags
         joint_passes = [p for p in joint_passes if p is not passes.tag_gathers_for_recompute]
     joint_gm = passes.run_passes(joint_gm, joint_ctx, joint_passes)
-    fw_gm, bw_gm = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
-    passes.check_no_gathered_weight_saved(fw_gm, bw_gm, joint_ctx)
+    with ctx.stage_seconds.timed("joint/min_cut_partition"):
+        fw_gm, bw_gm = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+    with ctx.stage_seconds.timed("joint/check_no_gathered_weight_saved"):
+        passes.check_no_gathered_weight_saved(fw_gm, bw_gm, joint_ctx)
     fw_gm, bw_gm = passes.run_partition_passes(fw_gm, bw_gm, ctx.for_phase("partitioned"))
     saved = [p for p in bw_gm.graph.nodes if p.op == "placeholder" and not p.name.startswith("tangents")]
     # Tensors only: DTensor inputs also hand their mesh (an opaque object) to the backward.
@@ -218,28 +231,102 @@ def _compile_partitioned(
     gm: fx.GraphModule, example_inputs: Sequence[Any], *, ctx: passes.PassContext, use_inductor: bool
 ) -> Callable:
     is_backward = ctx.phase == "backward"
-    markers = marker_schedule(gm, named=not is_backward)
+    with ctx.stage_seconds.timed(f"{ctx.phase}/schedule_record"):
+        markers = marker_schedule(gm, named=not is_backward)
     gm = passes.run_passes(gm, ctx, passes.BACKWARD_PASSES if is_backward else passes.FORWARD_PASSES)
-    collectives = collectives_in(gm, "backward" if is_backward else "forward", ctx.label)
-    schedule = Schedule(ctx.label, (*markers, *map(as_scheduled, collectives)))
+    with ctx.stage_seconds.timed(f"{ctx.phase}/schedule_record"):
+        collectives = collectives_in(gm, "backward" if is_backward else "forward", ctx.label)
+        schedule = Schedule(ctx.label, (*markers, *map(as_scheduled, collectives)))
     record = _RECORDS[ctx.graph_id]
     setattr(record, "backward" if is_backward else "forward", gm)
     record.collectives[ctx.phase] = collectives
     if use_inductor:
         from torch._inductor.compile_fx import compile_fx_inner
 
-        with eager_random_ops():
+        lowered, lowered_inputs, moved = _opaque_inputs_outside(gm, example_inputs)
+        cache_before = compile_timing.fx_graph_cache_counts()
+        with eager_random_ops(), ctx.stage_seconds.timed(f"{ctx.phase}/inductor"):
             compiled = compile_fx_inner(
-                gm,
-                example_inputs,
+                lowered,
+                lowered_inputs,
                 is_backward=is_backward,
                 is_inference=ctx.phase == "inference",
                 graph_id=ctx.graph_id,
             )
+        compiled = _with_opaque_inputs(compiled, moved)
+        record.inductor_cache[ctx.phase] = compile_timing.cache_outcome(
+            cache_before, compile_timing.fx_graph_cache_counts()
+        )
     else:
         compiled = make_boxed_func(gm.forward)
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    compile_timing.log_phase(ctx.label, ctx.stage_seconds, ctx.phase, record.inductor_cache.get(ctx.phase))
     return _counting(compiled, collectives, schedule, device, ctx)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpaqueInputs:
+    """Which inputs of a graph stay outside its Inductor compile, and how they come back."""
+
+    kept: list[int]  # positions of the inputs the compiled graph takes
+    passed_through: list[tuple[int, int]]  # (output position, input position) returned as is
+
+
+def _opaque_inputs_outside(
+    gm: fx.GraphModule, example_inputs: Sequence[Any]
+) -> tuple[fx.GraphModule, list[Any], Optional[_OpaqueInputs]]:
+    """A copy of gm without its opaque inputs (not tensors, not numbers: the device meshes
+    AOTAutograd passes along with DTensor parameters) that no node reads or that only the output
+    returns as they are. Inductor's FX-graph cache hashes such objects anew in every process, so a
+    graph taking them never hits the cache in a restarted job; the wrapper (_with_opaque_inputs)
+    puts them back. Returns the copy, its example inputs and what was moved (None: nothing, gm).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    outputs = gm.graph.output_node().args[0]
+    flat_output = isinstance(outputs, (tuple, list))
+    moved = {
+        i for i, (node, value) in enumerate(zip(placeholders, example_inputs))
+        if not isinstance(value, (torch.Tensor, torch.SymInt, int, float, bool))
+        and all(user.op == "output" for user in node.users) and (flat_output or not node.users)
+    }  # fmt: skip
+    if not moved:
+        return gm, list(example_inputs), None
+    position = {placeholders[i]: i for i in moved}
+    passed_through = [(j, position[v]) for j, v in enumerate(outputs) if v in position] if flat_output else []
+    lowered = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    output = lowered.graph.output_node()
+    new_placeholders = [n for n in lowered.graph.nodes if n.op == "placeholder"]
+    if passed_through:
+        returned = list(output.args[0])
+        for j, _ in passed_through:
+            returned[j] = None
+        output.args = (type(output.args[0])(returned),)
+    for i in moved:
+        lowered.graph.erase_node(new_placeholders[i])
+    lowered.recompile()
+    kept = [i for i in range(len(example_inputs)) if i not in moved]
+    return lowered, [example_inputs[i] for i in kept], _OpaqueInputs(kept, passed_through)
+
+
+def _with_opaque_inputs(compiled: Callable, moved: Optional[_OpaqueInputs]) -> Callable:
+    """Call a boxed `compiled` on the inputs it kept and return the moved ones where gm did."""
+    if moved is None:
+        return compiled
+
+    def call(args: list[Any]) -> Any:
+        inputs = [args[i] for i in moved.kept]
+        returned = {j: args[i] for j, i in moved.passed_through}
+        args.clear()  # the boxed convention: the callee owns (and frees) its inputs
+        out = compiled(inputs)
+        if not returned:
+            return out
+        filled = list(out)
+        for j, value in returned.items():
+            filled[j] = value
+        return type(out)(filled)
+
+    call._boxed_call = True
+    return call
 
 
 def _counting(

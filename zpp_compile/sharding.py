@@ -398,7 +398,10 @@ def _unique_tensors(model: nn.Module) -> Iterator[Tensor]:
 class _ForwardDepth:
     """How many forwards of sharded modules are running (nested calls count each)."""
 
-    depth = 0
+    def __init__(self) -> None:
+        # An instance attribute from the start: Dynamo guards on the instance's __dict__, and one
+        # created by the first `+= 1` (on a class attribute) recompiled every model at its 2nd step.
+        self.depth = 0
 
 
 _FORWARD = _ForwardDepth()

@@ -51,10 +51,12 @@ BACKWARD_PASSES: list[GraphPass] = [
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[GraphPass]) -> fx.GraphModule:
-    """Apply `passes` in order, dumping the graph before the first and after each one."""
+    """Apply `passes` in order, timing each (stage "<phase>/<pass>") and dumping the graph before
+    the first and after each one."""
     ctx.dump(gm, "input")
     for graph_pass in passes:
-        gm = graph_pass(gm, ctx)
+        with ctx.stage_seconds.timed(f"{ctx.phase}/{graph_pass.__name__}"):
+            gm = graph_pass(gm, ctx)
         ctx.dump(gm, graph_pass.__name__)
     return gm
 
@@ -62,9 +64,11 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[GraphPass]) ->
 def run_partition_passes(
     fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, ctx: PassContext
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Apply PARTITION_PASSES, dumping both graphs after each (stages "<pass>_forward/_backward")."""
+    """Apply PARTITION_PASSES, timing each and dumping both graphs after each (dump stages
+    "<pass>_forward/_backward")."""
     for partition_pass in PARTITION_PASSES:
-        fw_gm, bw_gm = partition_pass(fw_gm, bw_gm, ctx)
+        with ctx.stage_seconds.timed(f"{ctx.phase}/{partition_pass.__name__}"):
+            fw_gm, bw_gm = partition_pass(fw_gm, bw_gm, ctx)
         ctx.dump(fw_gm, f"{partition_pass.__name__}_forward")
         ctx.dump(bw_gm, f"{partition_pass.__name__}_backward")
     return fw_gm, bw_gm

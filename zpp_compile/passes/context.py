@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch.fx as fx
 
+from ..compile_timing import StageSeconds
 from ..config import Config
 from ..cost_model import CostModel
 from ..topology import Topology
@@ -26,6 +27,8 @@ class PassContext:
     parameter_names: tuple[str, ...] = ()
     # The decomposition table of the lowering, for passes that trace torch code into the graph.
     decompositions: dict = dataclasses.field(default_factory=dict)
+    # Seconds per compile stage of this graph, shared by every phase's context (for_phase).
+    stage_seconds: StageSeconds = dataclasses.field(default_factory=StageSeconds)
     _dump_step: int = 0
 
     @property

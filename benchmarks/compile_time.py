@@ -1,0 +1,240 @@
+"""Compile time of the first training step: zeropp against torch.compile(DDP(model)), cold and warm.
+
+    python benchmarks/compile_time.py [--nproc 4] [--ranks-per-node 2] [--layers 12,24]
+        [--configs ddp,zero3,zeropp_full] [--starts cold,warm,mega] [--width 768]
+
+Hugging Face GPT-2 built from a config (n_embd --width, --layers deep), 4 CPU processes as 2
+simulated nodes x 2 (gloo). Each (config, depth) runs in fresh processes three ways:
+  * cold: a new, empty TORCHINDUCTOR_CACHE_DIR;
+  * warm: the same cache directory again, in new processes (a restarted job);
+  * mega: a new, empty cache directory, after torch.compiler.load_cache_artifacts() of what the
+    cold run saved with torch.compiler.save_cache_artifacts() (the portable "mega-cache").
+Reported per run: the first step (forward, backward, AdamW step; compile included), a steady step,
+peak RSS of rank 0 through the first step, Inductor FX-graph and AOTAutograd cache hits and misses,
+and for zeropp the backend's seconds per stage (zpp_compile.compiled_graphs()[i].compile_seconds,
+summed over graphs): AOTAutograd, each zeropp pass, the partitioner and Inductor. Writes
+docs/compile_time.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import benchmark_parser, publish, run_workers, tracked  # noqa: E402
+
+CONFIGS = ("ddp", "zero3", "zeropp_full")
+STARTS = ("cold", "warm", "mega")
+SEQ, BATCH, VOCAB = 128, 2, 50257
+# Stages shown as their own column; every other stage is summed into "zeropp passes".
+STAGE_COLUMNS = {
+    "aot_autograd": "AOTAutograd",
+    "joint/inductor_joint_passes": "Inductor joint passes",
+    "joint/min_cut_partition": "partitioner",
+    "forward/inductor": "Inductor fwd",
+    "backward/inductor": "Inductor bwd",
+}
+
+
+def _model(layers: int, width: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=VOCAB, n_positions=SEQ)
+    return GPT2LMHeadModel(config)
+
+
+def _build(name: str, layers: int, width: int, ranks_per_node: int):
+    import torch
+
+    if name == "ddp":
+        return torch.compile(torch.nn.parallel.DistributedDataParallel(_model(layers, width))), None
+    import zpp_compile
+
+    full = name == "zeropp_full"
+    with torch.device("meta"):
+        model = _model(layers, width)
+    config = zpp_compile.Config(
+        ranks_per_node=ranks_per_node if full else None, quantize_weights=full, hpz_size=ranks_per_node if full else None,
+        quantize_gradients=full,
+    )  # fmt: skip
+    zpp_compile.shard(model, config)
+    zpp_compile.materialize(model, init=lambda m: m.init_weights())
+    return torch.compile(model, backend="zeropp"), model
+
+
+def _cache_counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {
+        "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
+        "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+        "aot_miss": counters["aot_autograd"]["autograd_cache_miss"],
+    }
+
+
+def _stage_seconds() -> dict:
+    import zpp_compile
+
+    stages: dict = defaultdict(float)
+    for record in zpp_compile.compiled_graphs():
+        for stage, seconds in record.compile_seconds.items():
+            stages[stage] += seconds
+    return dict(stages)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import torch
+
+    rank = torch.distributed.get_rank()
+    if args.load_artifacts:
+        torch.compiler.load_cache_artifacts(base64.b64decode(Path(f"{args.load_artifacts}.{rank}").read_text()))
+    torch.manual_seed(0)
+    run, _ = _build(args.config, args.layers, args.width, args.ranks_per_node)
+    opt = torch.optim.AdamW(run.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> float:
+        start = time.perf_counter()
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        run(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - start
+
+    first = step()
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    steady = min(step() for _ in range(2))
+    if args.save_artifacts:
+        artifacts = torch.compiler.save_cache_artifacts()
+        if artifacts is not None:
+            Path(f"{args.save_artifacts}.{rank}").write_text(base64.b64encode(artifacts[0]).decode())
+    return {"first_s": first, "steady_s": steady, "rss_mb": rss_mb, **_cache_counters(), "stages": _stage_seconds()}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
+    result = measure(args)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"rank0": result, "first_s_max": max(r["first_s"] for r in everyone)}))
+    dist.destroy_process_group()
+
+
+def run_starts(name: str, layers: int, args: argparse.Namespace, starts: list[str]) -> dict:
+    """{start: result} for one (config, depth), each start in new processes."""
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cold_cache, artifacts = os.path.join(tmp, "cold"), os.path.join(tmp, "artifacts.b64")
+        common = ["--config", name, "--layers", str(layers), "--width", str(args.width),
+                  "--ranks-per-node", str(args.ranks_per_node)]  # fmt: skip
+        plans = {
+            "cold": (cold_cache, ["--save-artifacts", artifacts]),
+            "warm": (cold_cache, []),
+            "mega": (os.path.join(tmp, "mega"), ["--load-artifacts", artifacts]),
+        }
+        for start in ["cold", *(s for s in ("warm", "mega") if s in starts)]:  # the others reuse what cold left
+            cache_dir, extra = plans[start]
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+            results[start] = run_workers(__file__, args.nproc, [*common, *extra])
+    return {k: v for k, v in results.items() if k in starts}
+
+
+def main() -> None:
+    p = benchmark_parser(__doc__)
+    p.add_argument("--layers", default="12,24", help="comma-separated depths")
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--starts", default=",".join(STARTS))
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--save-artifacts", help=argparse.SUPPRESS)
+    p.add_argument("--load-artifacts", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        args.layers = int(args.layers)
+        return worker(args)
+    starts = args.starts.split(",")
+    runs = [(name, int(layers)) for layers in args.layers.split(",") for name in args.configs.split(",")]
+    rows = []
+    for name, layers in tracked(runs, "configs x depths"):
+        for start, result in run_starts(name, layers, args, starts).items():
+            rows.append({"config": name, "layers": layers, "start": start, **result})
+            print(json.dumps(rows[-1]), flush=True)
+    publish(table(rows, args), "compile_time.md", "Compile time: the first training step")
+
+
+def _ratio(rows: list[dict], row: dict) -> str:
+    ddp = next(
+        (r for r in rows if r["config"] == "ddp" and (r["layers"], r["start"]) == (row["layers"], row["start"])), None
+    )
+    return f"{row['first_s_max'] / ddp['first_s_max']:.2f}x" if ddp else "-"
+
+
+def table(rows: list[dict], args: argparse.Namespace) -> str:
+    command = (f"`python benchmarks/compile_time.py --nproc {args.nproc} --ranks-per-node {args.ranks_per_node} "
+               f"--layers {args.layers} --width {args.width} --configs {args.configs} --starts {args.starts}`")  # fmt: skip
+    lines = [
+        f"{command} (HF GPT-2, n_embd {args.width}, {BATCH} x {SEQ} tokens per rank, AdamW, CPU, gloo; "
+        f"{datetime.date.today()})",
+        "",
+        "| config | layers | start | first step s (slowest rank) | / DDP same start | steady step s | "
+        "RSS rank 0 MB | FX graph cache hit/miss | AOT cache hit/miss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        r0 = row["rank0"]
+        lines.append(
+            f"| {row['config']} | {row['layers']} | {row['start']} | {row['first_s_max']:.1f} | {_ratio(rows, row)} | "
+            f"{r0['steady_s']:.2f} | {r0['rss_mb']:.0f} | {r0['fxgraph_hit']}/{r0['fxgraph_miss']} | "
+            f"{r0['aot_hit']}/{r0['aot_miss']} |"
+        )
+    lines += ["", *_stage_table(rows)]
+    return "\n".join(lines)
+
+
+def _stage_table(rows: list[dict]) -> list[str]:
+    """Where zeropp's backend time goes (rank 0, summed over graphs); Dynamo and the step itself
+    make up the rest of the first step."""
+    headers = [*STAGE_COLUMNS.values(), "zeropp passes", "backend total", "rest of first step"]
+    lines = [
+        "Seconds per compile stage, rank 0, summed over graphs (zeropp runs; `compile_seconds` of "
+        "`zpp_compile.compiled_graphs()`). \"rest of first step\" is Dynamo's tracing, guards and the step's compute.",
+        "",
+        "| config | layers | start | " + " | ".join(headers) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in headers) + " |",
+    ]
+    for row in rows:
+        stages = row["rank0"]["stages"]
+        if not stages:
+            continue
+        shown = [stages.get(k, 0.0) for k in STAGE_COLUMNS]
+        passes = sum(v for k, v in stages.items() if k not in STAGE_COLUMNS)
+        total = sum(stages.values())
+        rest = row["rank0"]["first_s"] - total
+        cells = " | ".join(f"{v:.1f}" for v in (*shown, passes, total, rest))
+        lines.append(f"| {row['config']} | {row['layers']} | {row['start']} | {cells} |")
+    lines += ["", "Slowest zeropp passes (rank 0, summed over graphs, first listed run):", ""]
+    zeropp = next((r for r in rows if r["rank0"]["stages"]), None)
+    if zeropp is not None:
+        passes = {k: v for k, v in zeropp["rank0"]["stages"].items() if k not in STAGE_COLUMNS}
+        for stage, seconds in sorted(passes.items(), key=lambda kv: -kv[1])[:8]:
+            lines.append(f"- {stage}: {seconds:.2f} s")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

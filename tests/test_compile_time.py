@@ -1,0 +1,190 @@
+"""Compile time: where it goes (seconds per stage, logged), one compile for all the steps of a model,
+and restarted jobs that hit Inductor's FX-graph cache (measured rates remembered; device meshes
+kept out of the cache key)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._functorch.aot_autograd import make_boxed_func
+
+import zpp_compile
+from zpp_compile import passes
+from zpp_compile.backend import _opaque_inputs_outside, _with_opaque_inputs
+from zpp_compile.cost_model import _remembered, rates_file
+
+from .models import batch, build, loss_of
+from .workers import reset_process_state
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def steps_with_compile_log(steps: int) -> dict:
+    """Train the tiny GPT (ZeRO-3, Inductor) for `steps` steps with the compile-time log captured."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    logger, lines = logging.getLogger("zpp_compile.compile_time"), _Lines()
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        torch.manual_seed(0)
+        model = zpp_compile.shard(build("gpt"), zpp_compile.Config())
+        compiled = torch.compile(model, backend="zeropp")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        start = time.perf_counter()
+        for step in range(steps):
+            x, y = batch("gpt", 2 * world, step)
+            loss_of("gpt", compiled, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                first_step_s = time.perf_counter() - start
+        records = zpp_compile.compiled_graphs()
+        return {
+            "graphs": len(records),
+            "stages": dict(records[0].compile_seconds),
+            "inductor_cache": dict(records[0].inductor_cache),
+            "first_step_s": first_step_s,
+            "lines": lines.lines,
+        }
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(logging.NOTSET)
+        reset_process_state()
+
+
+def test_a_model_compiles_once_for_all_its_steps_and_says_where_the_time_went(pools):
+    for result in pools(2).run(steps_with_compile_log, 3):
+        # One graph for three steps: the second step used to recompile (a guard on the forward
+        # counter's attribute, created by the first call).
+        assert result["graphs"] == 1, result["graphs"]
+        stages = result["stages"]
+        expected = {
+            *(f"dynamo/{p.__name__}" for p in passes.PRE_AUTOGRAD_PASSES),
+            *(f"joint/{p.__name__}" for p in passes.JOINT_PASSES),
+            *(f"partitioned/{p.__name__}" for p in passes.PARTITION_PASSES),
+            *(f"forward/{p.__name__}" for p in passes.FORWARD_PASSES),
+            *(f"backward/{p.__name__}" for p in passes.BACKWARD_PASSES),
+            "aot_autograd", "joint/min_cut_partition", "joint/inductor_joint_passes",
+            "forward/inductor", "backward/inductor",
+        }  # fmt: skip
+        assert expected <= set(stages), sorted(expected - set(stages))
+        assert all(seconds >= 0 for seconds in stages.values()), stages
+        assert stages["forward/inductor"] > 0 and stages["backward/inductor"] > 0
+        # Exclusive times add up to no more than the first step that contains them all.
+        assert sum(stages.values()) <= result["first_step_s"], (sum(stages.values()), result["first_step_s"])
+        assert set(result["inductor_cache"]) == {"forward", "backward"}
+        assert set(result["inductor_cache"].values()) <= {"hit", "miss"}, result["inductor_cache"]
+        lines = result["lines"]
+        assert any("graph0_forward compiled in" in line for line in lines), lines
+        assert any("graph0_backward compiled in" in line for line in lines), lines
+        assert any("backend took" in line for line in lines), lines
+
+
+def _remembered_on_every_rank(stored: dict[int, tuple], measured: tuple, root: str) -> tuple:
+    """_remembered() with this rank's own cache folder holding `stored[rank]` (absent: no file)."""
+    rank, device = dist.get_rank(), torch.device("cpu")
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, f"rank{rank}")
+    try:
+        path = rates_file(dist.get_world_size(), device)
+        path.unlink(missing_ok=True)
+        if rank in stored:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"bytes_per_s": stored[rank][0], "flops_per_s": stored[rank][1]}))
+        os.environ["LOCAL_RANK"] = "0"  # each rank here stands for a node of its own: it writes
+        rates = _remembered(measured, None, device)
+        written = json.loads(path.read_text()) if path.exists() else None
+        return rates, written
+    finally:
+        os.environ.pop("LOCAL_RANK", None)
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+@pytest.mark.parametrize(
+    "stored, expected",
+    [
+        ({}, (1e8, 1e10)),  # nothing remembered: the measurement, which is then written
+        ({0: (1.5e8, 2e10), 1: (1.5e8, 2e10)}, (1.5e8, 2e10)),  # close to it: the remembered rates
+        ({0: (1e9, 1e10), 1: (1e9, 1e10)}, (1e8, 1e10)),  # 10x off (another network): measured afresh
+        ({0: (1.5e8, 2e10)}, (1e8, 1e10)),  # ranks that chose differently agree on the smaller
+    ],
+    ids=["nothing_remembered", "remembered", "too_far_off", "ranks_disagree"],
+)
+def test_measured_rates_are_remembered_so_a_restart_schedules_alike(pools, tmp_path, stored, expected):
+    results = pools(2).run(_remembered_on_every_rank, stored, (1e8, 1e10), str(tmp_path))
+    for rates, written in results:
+        assert rates == pytest.approx(expected)
+        assert written == {"bytes_per_s": pytest.approx(expected[0]), "flops_per_s": pytest.approx(expected[1])}
+
+
+def test_device_meshes_stay_outside_the_inductor_graph_and_come_back_where_they_were():
+    graph = fx.Graph()
+    x, mesh = graph.placeholder("x"), graph.placeholder("mesh")
+    graph.placeholder("unused_mesh")  # read by no node
+    y = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    graph.output((y, mesh, None, mesh))
+    gm = fx.GraphModule({}, graph)
+    meshes = (object(), object())
+    lowered, inputs, moved = _opaque_inputs_outside(gm, [torch.ones(3), *meshes])
+    assert [n.name for n in lowered.graph.nodes if n.op == "placeholder"] == ["x"]
+    assert len(inputs) == 1 and isinstance(inputs[0], torch.Tensor)
+    assert [n.op for n in gm.graph.nodes].count("placeholder") == 3  # the original graph is left alone
+    compiled = _with_opaque_inputs(make_boxed_func(lowered.forward), moved)
+    args = [torch.arange(3.0), *meshes]
+    out = compiled(args)
+    assert torch.equal(out[0], torch.arange(3.0) * 2)
+    assert out[1] is meshes[0] and out[2] is None and out[3] is meshes[0]
+    assert args == []  # the boxed convention: the inputs are released to the callee
+    # A graph whose opaque inputs are read by a node keeps them (nothing to move).
+    kept_graph = fx.Graph()
+    a, m = kept_graph.placeholder("a"), kept_graph.placeholder("m")
+    kept_graph.output((kept_graph.call_function(id, (m,)), a))
+    kept = fx.GraphModule({}, kept_graph)
+    assert _opaque_inputs_outside(kept, [torch.ones(1), object()])[0] is kept
+
+
+def _train_example(out: Path, cache: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "examples" / "train_gpt.py"), "--out-dir", str(out), "--data-mb", "0.5", "--steps", "2",
+           "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "2"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(cache))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, check=False)
+
+
+@pytest.mark.distributed  # launches torchrun
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restarted_job_hits_inductors_cache_for_every_graph(tmp_path):
+    """The example run twice with one cache folder, as a restarted job: the second run's graphs all
+    come from Inductor's FX-graph cache (its log says so per graph), the first run's were compiled."""
+    logs = []
+    for run in ("cold", "warm"):
+        done = _train_example(tmp_path / run, tmp_path / "inductor_cache")
+        assert done.returncode == 0, done.stderr[-3000:]
+        logs.append([line for line in done.stdout.splitlines() if "compiled in" in line])
+    cold, warm = logs
+    assert cold and len(cold) == len(warm), (cold, warm)
+    assert all("FX graph cache miss" in line for line in cold), cold
+    assert all("FX graph cache hit" in line for line in warm), warm
