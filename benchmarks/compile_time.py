@@ -227,12 +227,15 @@ def _stage_table(rows: list[dict]) -> list[str]:
         rest = row["rank0"]["first_s"] - total
         cells = " | ".join(f"{v:.1f}" for v in (*shown, passes, total, rest))
         lines.append(f"| {row['config']} | {row['layers']} | {row['start']} | {cells} |")
-    lines += ["", "Slowest zeropp passes (rank 0, summed over graphs, first listed run):", ""]
-    zeropp = next((r for r in rows if r["rank0"]["stages"]), None)
-    if zeropp is not None:
-        passes = {k: v for k, v in zeropp["rank0"]["stages"].items() if k not in STAGE_COLUMNS}
-        for stage, seconds in sorted(passes.items(), key=lambda kv: -kv[1])[:8]:
-            lines.append(f"- {stage}: {seconds:.2f} s")
+    for row in rows:  # the first run of each zeropp config
+        if not row["rank0"]["stages"] or any(
+            r is not row and r["config"] == row["config"] for r in rows[: rows.index(row)]
+        ):
+            continue
+        passes = {k: v for k, v in row["rank0"]["stages"].items() if k not in STAGE_COLUMNS}
+        slowest = sorted(passes.items(), key=lambda kv: -kv[1])[:6]
+        listed = ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in slowest)
+        lines += ["", f"Slowest zeropp passes, {row['config']} {row['layers']} layers {row['start']}: {listed}"]
     return lines
 
 
