@@ -114,7 +114,7 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
             partition_fn=functools.partial(_partition, ctx=ctx),
             decompositions=decompositions,
         )(gm, example_inputs)
-    compile_timing.log_graph(f"graph {ctx.graph_id}", ctx.stage_seconds)
+    compile_timing.log_graph(f"graph{ctx.graph_id}", ctx.stage_seconds)
     return _naming_parameters(compiled, param_positions)
 
 
