@@ -21,6 +21,7 @@ from .models import (
     quantize_dequantize_per_shard,
     sharded_with_reference,
 )
+from .workers import reset_process_state
 
 LOCAL_BATCH = 2
 RTOL = 1e-5
@@ -136,10 +137,8 @@ def test_no_grad_evaluation_matches_unsharded_model(pools, name):
 
 def two_models_with_two_configs() -> dict:
     """Two models of one class, sharded with different Configs, compiled in one process without a
-    Dynamo reset: each must run its own plan (int8 gathers only for the qwZ one)."""
-    from zpp_compile.backend import clear_compiled_graphs
-
-    clear_compiled_graphs()
+    Dynamo reset between them: each must run its own plan (int8 gathers only for the qwZ one)."""
+    reset_process_state()
     counter = zpp_compile.comm_counter()
     result: dict = {}
     for label, config in (("plain", zpp_compile.Config()), ("qwz", zpp_compile.Config(quantize_weights=True))):
@@ -164,10 +163,8 @@ def test_models_sharded_with_different_configs_never_share_a_compiled_graph(pool
 def changing_sequence_lengths() -> dict:
     """The same sharded GPT, compiled and eager, fed batches whose sequence length changes every step."""
     from examples.gpt import GPT, GPTConfig
-    from zpp_compile.backend import clear_compiled_graphs
 
-    clear_compiled_graphs()
-    torch._dynamo.reset()
+    reset_process_state()
     result: dict = {}
     for mode in ("eager", "compiled"):
         torch.manual_seed(0)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import error_feedback  # noqa: F401  (registers zpp::ef_load / zpp::ef_store)
+from ..codegen.quantize import ceil_div
 from ..codegen.registry import QuantKernels, quant_kernels
 from ..error_feedback import new_slot
 from ..topology import Topology
@@ -112,7 +113,7 @@ def qgz_reduce_scatter(
     """
     kernels = kernels or quant_kernels(grads[0].device)
     world, local, nodes = topology.world_size, topology.ranks_per_node, topology.num_nodes
-    chunks = [-(-shard // block) * block for shard in shards]
+    chunks = [ceil_div(shard, block) * block for shard in shards]
     values = torch.cat(
         [_node_rank_chunks(g, n, s, c, nodes, local) for g, n, s, c in zip(grads, numels, shards, chunks)], -1
     )
