@@ -9,19 +9,19 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 
 
-def tracked(items: Iterable[T], desc: str, total: Optional[int] = None) -> Iterator[T]:
+def tracked(items: Iterable[T], desc: str) -> Iterator[T]:
     """Yield items under a progress bar on stderr (tqdm when installed, else a line every tenth of
     the way): shown by the launching process and by rank 0 of a worker group, silent on other ranks."""
     from examples.training_utils import progress
 
-    items = list(items) if total is None else items
+    items = list(items)
     enabled = os.environ.get("RANK", "0") == "0"
-    with progress(len(items) if total is None else total, enabled, desc) as bar:
+    with progress(len(items), enabled, desc) as bar:
         for item in items:
             yield item
             bar.update()

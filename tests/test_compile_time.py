@@ -5,7 +5,6 @@ kept out of the cache key)."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch.fx as fx
 from torch._functorch.aot_autograd import make_boxed_func
 
 import zpp_compile
+from examples.training_utils import compile_times_logged
 from zpp_compile import passes
 from zpp_compile.backend import _opaque_inputs_outside, _with_opaque_inputs
 from zpp_compile.cost_model import _remembered, rates_file
@@ -29,34 +29,24 @@ from .workers import reset_process_state
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def steps_with_compile_log(steps: int) -> dict:
     """Train the tiny GPT (ZeRO-3, Inductor) for `steps` steps with the compile-time log captured."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    logger, lines = logging.getLogger("zpp_compile.compile_time"), _Lines()
-    logger.addHandler(lines)
-    logger.setLevel(logging.INFO)
+    lines: list[str] = []
     try:
         torch.manual_seed(0)
         model = zpp_compile.shard(build("gpt"), zpp_compile.Config())
         compiled = torch.compile(model, backend="zeropp")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         start = time.perf_counter()
-        for step in range(steps):
-            x, y = batch("gpt", 2 * world, step)
-            loss_of("gpt", compiled, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-            opt.step()
-            opt.zero_grad()
-            if step == 0:
-                first_step_s = time.perf_counter() - start
+        with compile_times_logged(lines.append, enabled=True):  # what the example prints
+            for step in range(steps):
+                x, y = batch("gpt", 2 * world, step)
+                loss_of("gpt", compiled, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+                opt.step()
+                opt.zero_grad()
+                if step == 0:
+                    first_step_s = time.perf_counter() - start
         records = zpp_compile.compiled_graphs()
         return {
             "graphs": len(records),
@@ -64,11 +54,9 @@ def steps_with_compile_log(steps: int) -> dict:
             "stages": dict(records[0].compile_seconds),
             "inductor_cache": dict(records[0].inductor_cache),
             "first_step_s": first_step_s,
-            "lines": lines.lines,
+            "lines": lines,
         }
     finally:
-        logger.removeHandler(lines)
-        logger.setLevel(logging.NOTSET)
         reset_process_state()
 
 

@@ -47,9 +47,6 @@ class StageSeconds(dict):
         prefix = f"{phase}/"
         return {k[len(prefix) :]: v for k, v in self.items() if k.startswith(prefix)}
 
-    def total(self) -> float:
-        return sum(self.values())
-
 
 def summary(stages: dict[str, float], limit: int = 4) -> str:
     """ "12.3 s: forward/inductor 6.1 s, backward/inductor 4.0 s, ..." (the largest `limit` stages)."""
