@@ -1,8 +1,10 @@
+import datetime
 import os
 import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 # Without a GPU the Triton kernels run in Triton's interpreter, on CPU tensors. Triton reads this
 # when a kernel is defined, so it must be set before zpp_compile.codegen.triton_quantize loads.
@@ -28,6 +30,19 @@ def pools():
     yield get
     for pool in started.values():
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def group_of_one():
+    """A real one-rank gloo group in the test process: pass unit tests need real group names."""
+    if not dist.is_initialized():
+        fd, path = tempfile.mkstemp(prefix="zpp_store_")
+        os.close(fd)
+        os.unlink(path)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{path}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+        )
+    return dist.group.WORLD.group_name
 
 
 # Modules whose tests launch processes of their own (torchrun, the simulated cluster).

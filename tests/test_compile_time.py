@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -81,7 +82,8 @@ def test_a_model_compiles_once_for_all_its_steps_and_says_where_the_time_went(po
         # Exclusive times add up to no more than the first step that contains them all.
         assert sum(stages.values()) <= result["first_step_s"], (sum(stages.values()), result["first_step_s"])
         assert set(result["inductor_cache"]) == {"forward", "backward"}
-        assert set(result["inductor_cache"].values()) <= {"hit", "miss"}, result["inductor_cache"]
+        # Regions: a block's first region misses (a fresh cache) and the identical ones hit.
+        assert all(re.fullmatch(r"hit|miss|\d+ hit, \d+ miss", v) for v in result["inductor_cache"].values())
         lines, graph = result["lines"], f"graph{result['graph_id']}"
         assert any(f"{graph}_forward compiled in" in line for line in lines), lines
         assert any(f"{graph}_backward compiled in" in line for line in lines), lines
@@ -175,5 +177,6 @@ def test_a_restarted_job_hits_inductors_cache_for_every_graph(tmp_path):
         logs.append([line for line in done.stdout.splitlines() if "compiled in" in line])
     cold, warm = logs
     assert cold and len(cold) == len(warm), (cold, warm)
-    assert all("FX graph cache miss" in line for line in cold), cold
-    assert all("FX graph cache hit" in line for line in warm), warm
+    # Cold: every phase compiles (misses), though its repeated regions may hit each other.
+    assert all(re.search(r"FX graph cache (\d+ hit, \d+ )?miss$", line) for line in cold), cold
+    assert all(line.endswith("FX graph cache hit") for line in warm), warm

@@ -27,7 +27,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from . import comm, compat, compile_timing, passes
+from . import comm, compat, compile_timing, inductor_regions, passes
 from .faults import explained_collective_failures
 from .layout import ShardedState, shard_spec, state_of_shard
 from .plan import as_scheduled, collectives_in, marker_schedule
@@ -65,7 +65,8 @@ class GraphRecord:
     # zpp_compile.compile_timing.
     compile_seconds: compile_timing.StageSeconds = dataclasses.field(default_factory=compile_timing.StageSeconds)
     # Per phase ("forward", "backward", "inference"), what Inductor's FX-graph cache did: "hit",
-    # "miss", "bypass" (uncacheable), "off" (caches disabled); empty under lowering="aot_eager".
+    # "miss", "bypass" (uncacheable), "off" (caches disabled), or counts when its regions differed
+    # ("9 hit, 3 miss"); empty under lowering="aot_eager".
     inductor_cache: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -101,6 +102,7 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
         config=state.config, topology=state.topology, graph_id=next(_graph_ids), decompositions=decompositions,
         cost_model=state.cost_model, plan_id=state.plan_id,
         parameter_names=tuple(shard_spec(example_inputs[i]).fqn for i in param_positions),
+        parameter_positions=tuple(param_positions),
     )  # fmt: skip
     _RECORDS[ctx.graph_id] = GraphRecord(ctx.graph_id, compile_seconds=ctx.stage_seconds)
     # Exclusive timing: what the stages inside do not account for is AOTAutograd's own work.
@@ -241,18 +243,10 @@ def _compile_partitioned(
     setattr(record, "backward" if is_backward else "forward", gm)
     record.collectives[ctx.phase] = collectives
     if use_inductor:
-        from torch._inductor.compile_fx import compile_fx_inner
-
         lowered, lowered_inputs, moved = _opaque_inputs_outside(gm, example_inputs)
         cache_before = compile_timing.fx_graph_cache_counts()
         with eager_random_ops(), ctx.stage_seconds.timed(f"{ctx.phase}/inductor"):
-            compiled = compile_fx_inner(
-                lowered,
-                lowered_inputs,
-                is_backward=is_backward,
-                is_inference=ctx.phase == "inference",
-                graph_id=ctx.graph_id,
-            )
+            compiled = _inductor(lowered, lowered_inputs, ctx)
         compiled = _with_opaque_inputs(compiled, moved)
         record.inductor_cache[ctx.phase] = compile_timing.cache_outcome(
             cache_before, compile_timing.fx_graph_cache_counts()
@@ -262,6 +256,24 @@ def _compile_partitioned(
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     compile_timing.log_phase(ctx.label, ctx.stage_seconds, ctx.phase, record.inductor_cache.get(ctx.phase))
     return _counting(compiled, collectives, schedule, device, ctx)
+
+
+def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassContext) -> Callable:
+    """Inductor's compiled gm (boxed): region by region (see inductor_regions) unless the Config
+    or the graph rules that out, else whole."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    compile_graph = functools.partial(
+        compile_fx_inner, is_backward=ctx.phase == "backward", is_inference=ctx.phase == "inference",
+        graph_id=ctx.graph_id,
+    )  # fmt: skip
+    whole = "Config.inductor_regions=False" if not ctx.config.inductor_regions else None
+    whole = whole or inductor_regions.unsupported_input(gm)
+    if whole:
+        log.debug("zeropp: %s compiles whole: %s", ctx.label, whole)
+        return compile_graph(gm, example_inputs)
+    # A copy: compiled_graphs() keeps the rewritten graph as the passes left it.
+    return inductor_regions.compile_regions(fx.GraphModule(gm, copy.deepcopy(gm.graph)), compile_graph)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,9 +64,13 @@ def fx_graph_cache_counts() -> tuple[int, int, int]:
 
 
 def cache_outcome(before: tuple[int, int, int], after: tuple[int, int, int]) -> str:
-    """What Inductor's FX-graph cache did for one compile: "hit", "miss", "bypass" or "off"."""
-    hits, misses, bypasses = (a - b for a, b in zip(after, before))
-    return "hit" if hits else "miss" if misses else "bypass" if bypasses else "off"
+    """What Inductor's FX-graph cache did for one phase's compiles: "hit", "miss" or "bypass" when
+    all of its graphs (regions: see inductor_regions) had the same outcome, else the counts
+    ("9 hit, 3 miss"); "off" when nothing was looked up (caches disabled)."""
+    counts = {kind: a - b for kind, a, b in zip(("hit", "miss", "bypass"), after, before) if a - b}
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "off"
 
 
 def log_phase(graph_label: str, stages: StageSeconds, phase: str, cache: Optional[str] = None) -> None:

@@ -190,6 +190,12 @@ class Config:
         '`"inductor"` compiles the rewritten graphs with Inductor; `"aot_eager"` runs them as plain FX '
         "graphs, for debugging the passes",
     )
+    inductor_regions: bool = _field(
+        True,
+        "under Inductor, compile each run of computation between two collectives as a graph of its own: "
+        "identical blocks then compile once and hit Inductor's FX-graph cache (compile time grows little "
+        "with depth); `False` compiles each forward and backward graph whole",
+    )
     dump_graphs_dir: Optional[str] = _field(
         None, "dump every graph before/after every pass to this folder (also `ZPP_DUMP_GRAPHS=dir`)"
     )
@@ -198,6 +204,7 @@ class Config:
         _require_bool(self, "quantize_weights")
         _require_bool(self, "quantize_frozen_weights")
         _require_bool(self, "quantize_gradients")
+        _require_bool(self, "inductor_regions")
         _require_bool(self, "hpz_quantized_secondary")
         _require_bool(self, "qgz_error_feedback")
         if self.qgz_error_feedback and not self.quantize_gradients:

@@ -19,6 +19,22 @@ def trace(fn, *args) -> fx.GraphModule:
     return make_fx(fn, tracing_mode="fake")(*args)
 
 
+def gathered_layers(group: str, layers: int = 3) -> tuple[fx.GraphModule, tuple]:
+    """x -> `layers` linear layers (tanh) whose 64 x 64 weights are gathered, one all-gather each,
+    lowered to functional collectives; with example inputs (x, then one shard per layer)."""
+    import torch
+
+    from zpp_compile.passes import lower_gather
+
+    def forward(x, *shards):
+        for shard in shards:
+            x = torch.tanh(x @ torch.ops.zpp.gather_param(shard, 64 * 64, [64, 64], 64 * 64, 1, group).t())
+        return x
+
+    args = (torch.randn(8, 64), *(torch.randn(4096) for _ in range(layers)))
+    return lower_gather(trace(forward, *args), context(group)), args
+
+
 def targets(gm: fx.GraphModule) -> list:
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 

@@ -4,11 +4,11 @@ import torch
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
 from zpp_compile.cost_model import CostModel
-from zpp_compile.passes import bucket_collectives, lower_gather, lower_reduce, schedule_overlap
+from zpp_compile.passes import bucket_collectives, lower_reduce, schedule_overlap
 from zpp_compile.passes.graph_utils import COLLECTIVE_STARTS
 from zpp_compile.plan import peak_collective_bytes
 
-from .helpers import context, trace
+from .helpers import context, gathered_layers, trace
 
 c10d = torch.ops._c10d_functional
 SLOW_LINK = CostModel(intra_node_bytes_per_s=1e3, inter_node_bytes_per_s=1e3, flops_per_s=1e9)
@@ -16,15 +16,7 @@ FAST_LINK = CostModel(intra_node_bytes_per_s=1e15, inter_node_bytes_per_s=1e15, 
 
 
 def _three_layers(group: str):
-    """x -> three linear layers whose weights are gathered; lowered to functional all-gathers."""
-
-    def forward(x, a, b, c):
-        for shard in (a, b, c):
-            x = torch.tanh(x @ torch.ops.zpp.gather_param(shard, 64 * 64, [64, 64], 64 * 64, 1, group).t())
-        return x
-
-    args = (torch.randn(8, 64), torch.randn(4096), torch.randn(4096), torch.randn(4096))
-    return lower_gather(trace(forward, *args), context(group)), args
+    return gathered_layers(group, 3)
 
 
 def _order(gm) -> list[str]:

@@ -4,7 +4,8 @@ Runs on the lowered forward and backward graphs (functional collectives, after t
 passes), so the bytes it counts are the bytes that travel: int8 payloads under qwZ, the in-node
 group under hpZ. Inductor's passes (torch._inductor.fx_passes.bucketing) group collectives of the
 same group and dtype that are adjacent in wait order and independent of each other, up to a
-size cap, and rewrite each group into one collective on a concatenated buffer.
+size cap, and rewrite each group into one collective on a concatenated buffer. A bucket never
+spans two repeated blocks of the model (buckets.py says why).
 Before:  a = wait(all_gather(x, 4, g)); b = wait(all_gather(y, 4, g))
 After:   ab = wait(all_gather(cat(x, y), 4, g)); a, b = the per-rank slices of ab, copied out
 qgZ's all-to-alls are bucketed by qgz itself (Inductor does not bucket all-to-all).
@@ -14,10 +15,19 @@ Caps: Config.gather_bucket_bytes and Config.reduce_bucket_bytes; 0 turns either 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch.fx as fx
-from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
+from torch._inductor.fx_passes.bucketing import (
+    bucket_key,
+    greedy_bucket_collective_by_mb,
+    is_all_gather_into_tensor,
+    is_reduce_scatter_tensor,
+    merge_all_gather,
+    merge_reduce_scatter,
+)
 
+from .buckets import block_of
 from .context import PassContext
 from .graph_utils import COLLECTIVE_STARTS, calls, finish, random_nodes, stable_topological_sort
 
@@ -31,9 +41,9 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     draws = random_nodes(gm.graph)
     gather_cap, reduce_cap = ctx.config.gather_bucket_bytes, ctx.config.reduce_bucket_bytes
     if gather_cap:
-        bucket_all_gather(gm, lambda _: gather_cap / _MIB, "default")
+        merge_all_gather(gm, _buckets(gm, is_all_gather_into_tensor, gather_cap, ctx), "default")
     if reduce_cap:
-        bucket_reduce_scatter(gm, lambda _: reduce_cap / _MIB, "default")
+        merge_reduce_scatter(gm, _buckets(gm, is_reduce_scatter_tensor, reduce_cap, ctx), "default")
     after = _count(gm)
     if after == before:
         log.debug("bucket_collectives: %s: nothing to merge; graph unchanged", ctx.label)
@@ -42,6 +52,14 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     # Inductor's merge sits at the last member: pull it above the first use, random ops kept in order.
     stable_topological_sort(gm.graph, draws)
     return finish(gm)
+
+
+def _buckets(gm: fx.GraphModule, is_kind: Callable[[fx.Node], bool], cap: int, ctx: PassContext) -> list:
+    """Inductor's greedy buckets of one kind of collective, grouped by (group, dtype) as Inductor
+    does and by block: the packing restarts with every block, so each block is cut alike."""
+    return greedy_bucket_collective_by_mb(
+        gm, lambda _: cap / _MIB, is_kind, lambda node: (bucket_key(node, "default"), block_of(node, ctx))
+    )
 
 
 def _count(gm: fx.GraphModule) -> int:

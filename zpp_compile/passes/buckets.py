@@ -1,24 +1,36 @@
 """Bucketing: which collective markers travel together as one collective.
 
 A bucket is a run of consecutive markers in graph order whose payloads add up to at most the
-Config's bucket size (a single marker larger than that is a bucket of its own). Graph order is the
-same on every rank, so the buckets are too (invariant 1 of README.md).
+Config's bucket size (a single marker larger than that is a bucket of its own), all of one block
+(below). Graph order is the same on every rank, so the buckets are too (invariant 1 of README.md).
+
+Blocks: a bucket never spans two repeated blocks of the model (the parameters of
+"transformer.h.3." and those of "transformer.h.4."). So every block's collectives, and the
+computation between them, are the same from block to block, and Inductor compiles one block's
+regions once for all of them (see inductor_regions.py). FSDP2 gets the same from fully_shard per
+block.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.fx as fx
 
+from .context import PassContext
+from .tag_parameter_inputs import PARAM_INPUT
 
-def bucket_by_bytes(nodes: list[fx.Node], nbytes: Callable[[fx.Node], int], cap: int) -> list[list[fx.Node]]:
-    """Split `nodes` (in graph order) into consecutive runs of at most `cap` bytes; cap 0: one each."""
+
+def bucket_by_bytes(
+    nodes: list[fx.Node], nbytes: Callable[[fx.Node], int], cap: int, block: Callable[[fx.Node], Optional[str]]
+) -> list[list[fx.Node]]:
+    """Split `nodes` (in graph order) into consecutive runs of at most `cap` bytes (cap 0: one
+    each), each of one `block`."""
     buckets: list[list[fx.Node]] = []
     filled = 0
     for node in nodes:
         size = nbytes(node)
-        if not buckets or filled + size > cap:
+        if not buckets or filled + size > cap or block(node) != block(buckets[-1][-1]):
             buckets.append([])
             filled = 0
         buckets[-1].append(node)
@@ -30,3 +42,19 @@ def tensor_bytes(node: fx.Node) -> int:
     """Bytes of the tensor a node produces (its fake value)."""
     value = node.meta["val"]
     return value.numel() * value.element_size()
+
+
+def block_of_name(fqn: str) -> str:
+    """The repeated block a parameter belongs to: its name up to the first index
+    ("transformer.h.3.attn.c_attn.weight" -> "transformer.h.3"); "" outside any block."""
+    parts = fqn.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return "" if index is None else ".".join(parts[: index + 1])
+
+
+def block_of(node: fx.Node, ctx: PassContext) -> Optional[str]:
+    """The block of the parameter a marker (or the collective lowered from it) serves, or None
+    where the node does not say (then it may share a bucket with any neighbour)."""
+    position = node.meta.get("custom", {}).get(PARAM_INPUT)
+    name = ctx.parameter_name_at(position)
+    return None if name is None else block_of_name(name)

@@ -25,6 +25,9 @@ class PassContext:
     # The names of the parameters the Dynamo graph was compiled for, in input order: what its
     # error slots are keyed by (a recompile of the same region names the same ones).
     parameter_names: tuple[str, ...] = ()
+    # The Dynamo graph input positions of those parameters (what markers record: see
+    # tag_parameter_inputs), in the same order.
+    parameter_positions: tuple[int, ...] = ()
     # The decomposition table of the lowering, for passes that trace torch code into the graph.
     decompositions: dict = dataclasses.field(default_factory=dict)
     # Seconds per compile stage of this graph, shared by every phase's context (for_phase).
@@ -47,6 +50,12 @@ class PassContext:
         with open(path, "w") as f:
             f.write(gm.print_readable(print_output=False, include_stride=True, include_device=True))
         return path
+
+    def parameter_name_at(self, position: Optional[int]) -> Optional[str]:
+        """The name of the parameter at a Dynamo graph input position, when compiled (None: unknown)."""
+        if position is None or position not in self.parameter_positions:
+            return None
+        return self.parameter_names[self.parameter_positions.index(position)]
 
     def for_phase(self, phase: str) -> PassContext:
         return dataclasses.replace(self, phase=phase, _dump_step=0)

@@ -165,10 +165,23 @@ def rewrite_calls(
         logging.getLogger(__name__).debug("%s: %s has no %s; graph unchanged", pass_name, label, target)
         return gm
     for node in nodes:
+        before = node.prev
         with gm.graph.inserting_before(node):
             replacement = rewrite(gm.graph, node)
+        _tag_collectives(before, node)
         replace_node(node, replacement)
     return finish(gm)
+
+
+def _tag_collectives(start: fx.Node, marker: fx.Node) -> None:
+    """The collectives a rewrite inserted between `start` and `marker` carry the marker's
+    meta["custom"] (which parameter they serve: bucketing keeps blocks apart by it)."""
+    custom = marker.meta.get("custom")
+    node = start.next
+    while custom and node is not marker:
+        if is_call(node, *COLLECTIVE_STARTS):
+            node.meta.setdefault("custom", {}).update(custom)
+        node = node.next
 
 
 def inline_traced(graph: fx.Graph, fn: Callable, node_args: list[fx.Node], decompositions: dict | None = None) -> Any:

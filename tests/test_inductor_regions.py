@@ -1,0 +1,161 @@
+"""inductor_regions: a lowered graph compiled by Inductor one run between collectives at a time,
+identical runs compiled once (a real one-rank gloo group, real Inductor)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.compile_fx import compile_fx_inner
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import zpp_compile  # noqa: F401  (registers zpp:: ops)
+from zpp_compile.inductor_regions import compile_regions, cut_region, runs_between_collectives, unsupported_input
+from zpp_compile.passes import bucket_collectives, lower_gather, tag_parameter_inputs
+from zpp_compile.passes.buckets import block_of_name
+from zpp_compile.passes.graph_utils import COLLECTIVE_STARTS
+
+from .passes.helpers import context, gathered_layers
+
+c10d = torch.ops._c10d_functional
+
+
+def _layers(group: str, layers: int):
+    """gathered_layers with Inductor's decompositions applied, as AOTAutograd hands graphs over."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    gm, args = gathered_layers(group, layers)
+    return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args), args
+
+
+def _region_calls(compiled_gm: torch.fx.GraphModule) -> list[str]:
+    return [n.name for n in compiled_gm.graph.nodes if n.name.startswith("region_")]
+
+
+def test_each_run_between_collectives_is_one_region_and_the_values_stay(group_of_one):
+    gm, args = _layers(group_of_one, 3)
+    want = gm(*args)
+    runs = runs_between_collectives(gm.graph)
+    # After each gather's wait: a layer (view the weight, mm, tanh).
+    assert [[str(n.target) for n in run] for run in runs] == [
+        ["aten.view.default", "aten.permute.default", "aten.mm.default", "aten.tanh.default"]
+    ] * 3
+    compiled = compile_regions(gm, compile_fx_inner)
+    assert len(_region_calls(gm)) == 3
+    # The collectives and waits stay in the outer graph, in their order.
+    outer = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_STARTS]
+    assert len(outer) == 3
+    torch.testing.assert_close(compiled(list(args)), want)
+
+
+def test_identical_layers_compile_once(group_of_one):
+    gm, args = _layers(group_of_one, 4)
+    want = gm(*args)
+    regions = [cut_region(gm, run) for run in runs_between_collectives(gm.graph)]
+    assert all(r is not None for r in regions)
+    assert len({r.graph.code for r in regions}) == 1  # canonical names: four copies of one graph
+    lookups = _fx_graph_cache_lookups()
+    compiled = compile_regions(gm, compile_fx_inner)
+    assert _fx_graph_cache_lookups() - lookups == 1  # the other three reuse what it compiled
+    assert len(_region_calls(gm)) == 4
+    torch.testing.assert_close(compiled(list(args)), want)
+
+
+def _fx_graph_cache_lookups() -> int:
+    inductor = counters["inductor"]
+    return inductor["fxgraph_cache_hit"] + inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"]
+
+
+def test_a_run_of_views_only_stays_fx(group_of_one):
+    def forward(x, shard):
+        w = torch.ops.zpp.gather_param(shard, 64 * 64, [64, 64], 64 * 64, 1, group_of_one)
+        return w.t(), x
+
+    gm = lower_gather(make_fx(forward, tracing_mode="fake")(torch.randn(4), torch.randn(4096)), context(group_of_one))
+    (run,) = runs_between_collectives(gm.graph)
+    assert cut_region(gm, run) is None
+
+
+def test_a_graph_with_symbolic_shapes_is_compiled_whole(group_of_one):
+    def forward(x):
+        return torch.tanh(x) * x.shape[0]
+
+    gm = make_fx(forward, tracing_mode="symbolic")(torch.randn(8, 4))
+    assert "symbolic shape" in unsupported_input(gm)
+    static, _ = gathered_layers(group_of_one, layers=1)
+    assert unsupported_input(static) is None
+
+
+def test_a_bucket_never_spans_two_blocks(group_of_one):
+    """Three gathers fit one bucket, but the first two serve block h.0 and the third h.1."""
+
+    def forward(x, a, b, c):
+        for shard in (a, b, c):
+            x = torch.tanh(x @ torch.ops.zpp.gather_param(shard, 64 * 64, [64, 64], 64 * 64, 1, group_of_one).t())
+        return x
+
+    args = (torch.randn(8, 64), *(torch.randn(4096) for _ in range(3)))
+    # The shards are graph inputs 1-3 (what tag_parameter_inputs records on each gather).
+    ctx = dataclasses.replace(
+        context(group_of_one), parameter_names=("h.0.w", "h.0.v", "h.1.w"), parameter_positions=(1, 2, 3)
+    )
+    gm = lower_gather(tag_parameter_inputs(make_fx(forward, tracing_mode="fake")(*args), ctx), ctx)
+    want = gm(*args)
+    gm = bucket_collectives(gm, ctx)
+    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_STARTS]
+    sizes = [n.args[0].meta["val"].numel() for n in gathers]
+    assert sizes == [2 * 4096, 4096], sizes
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+
+
+def test_block_of_a_parameter_is_its_name_up_to_the_first_index():
+    assert block_of_name("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
+    assert block_of_name("model.layers.10.mlp.up_proj.weight") == "model.layers.10"
+    assert block_of_name("transformer.wte.weight") == ""
+
+
+def _train_steps(model_name: str, steps: int, regions: bool, config: dict) -> dict:
+    """Losses and final gradients of `steps` Inductor-compiled steps, graphs compiled by region
+    (or whole), with the FX-graph cache's outcomes of the regions."""
+    import torch.distributed as dist
+
+    from .models import batch, build, loss_of
+    from .workers import reset_process_state
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        torch.manual_seed(0)
+        model = zpp_compile.shard(build(model_name), zpp_compile.Config(inductor_regions=regions, **config))
+        compiled = torch.compile(model, backend="zeropp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(steps):
+            x, _ = batch(model_name, 2 * world, step)
+            opt.zero_grad()
+            loss = loss_of(model_name, compiled, x.chunk(world)[rank], None)
+            loss.backward()
+            losses.append(loss.item())
+            if step < steps - 1:
+                opt.step()
+        grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        record = zpp_compile.compiled_graphs()[0]
+        regions = [n.name for n in record.forward.graph.nodes if n.name.startswith("region_")]
+        return {"losses": losses, "grads": grads, "cache": dict(record.inductor_cache), "in_record": regions}
+    finally:
+        reset_process_state()
+
+
+def test_regions_train_as_the_whole_graph_does_on_a_model_we_did_not_write(pools):
+    """HF GPT-2 with dropout (2 blocks), full ZeRO++ on 2 simulated nodes: compiled by region, the
+    losses and gradients are those of the whole-graph compile; the recorded graph is the rewritten
+    one, not the region-cut copy."""
+    config = {"ranks_per_node": 1, "quantize_weights": True, "quantize_gradients": True}
+    by_region = pools(2).run(_train_steps, "hf_gpt2_dropout", 2, True, config)
+    whole = pools(2).run(_train_steps, "hf_gpt2_dropout", 2, False, config)
+    for got, want in zip(by_region, whole):
+        torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6)
+        for name, grad in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        assert got["in_record"] == [], "compiled_graphs() must keep the graph the passes made"
+        assert set(got["cache"]) == {"forward", "backward"}

@@ -1,0 +1,228 @@
+"""Lower a rewritten graph to Inductor one region at a time (Config.inductor_regions, the default).
+
+A region is a run of computation between two collectives. Each one is cut out into a graph of its
+own with canonical node names and compiled by Inductor; the graph around the regions (the
+collectives, their waits, and runs made only of views) stays FX and calls them in order.
+
+Why: the blocks of a transformer give identical regions (same ops, same shapes), and identical
+region graphs have the same FX-graph cache key. Inductor then schedules, tiles and builds one
+block's kernels and every other block hits its cache, in the same process: compile time no longer
+grows at Inductor's cost per kernel with depth. This is the reuse torch.compile(DDP) gets from its
+per-bucket graphs. Nothing is lost to fusion: Inductor cannot fuse across a collective's wait, and
+the order of collectives and computation is the one schedule_overlap chose, kept as it is.
+
+Before (a lowered forward graph):
+    p0, p1, x = placeholders
+    ag0 = all_gather(p0); w0 = wait(ag0); ag1 = all_gather(p1)
+    h = addmm(view(w0), x); h = gelu(h); ...                 # layer 0
+    w1 = wait(ag1); h = addmm(view(w1), h); ...              # layer 1
+After:
+    ag0 = all_gather(p0); w0 = wait(ag0); ag1 = all_gather(p1)
+    r0 = region(w0, x)         # the compiled kernels of layer 0 (one boxed call)
+    w1 = wait(ag1)
+    r1 = region(w1, r0[0])     # layer 1: the same region graph, an FX-graph cache hit
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch.fx.graph import _BoxedCodeGen
+
+log = logging.getLogger(__name__)
+
+# Everything of these namespaces stays in the outer graph: the functional collectives and waits.
+BOUNDARY_NAMESPACES = ("_c10d_functional", "c10d_functional")
+# Compiling a run that only re-views tensors buys nothing: it stays FX.
+_NOT_COMPUTE = (operator.getitem,)
+
+CompileRegion = Callable[[fx.GraphModule, list[Any]], Callable[[list[Any]], Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One run of computation cut out of the outer graph."""
+
+    graph: fx.GraphModule  # canonical node names: identical runs give identical code
+    inputs: list[fx.Node]  # outer-graph values it reads, in the order of its placeholders
+    outputs: list[fx.Node]  # its values the rest of the outer graph reads, in graph order
+
+
+def is_boundary(node: fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and getattr(target, "namespace", None) in BOUNDARY_NAMESPACES
+
+
+def _is_compute(node: fx.Node) -> bool:
+    """A node Inductor would generate a kernel (or call an extern one) for: not a pure view."""
+    if node.op != "call_function" or node.target in _NOT_COMPUTE:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    aliasing = schema is not None and not schema.is_mutable and any(r.alias_info for r in schema.returns)
+    return not aliasing
+
+
+def runs_between_collectives(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The maximal runs of consecutive nodes with no collective among them (graph order)."""
+    runs: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output") or is_boundary(node):
+            if current:
+                runs.append(current)
+            current = []
+        else:
+            current.append(node)
+    if current:
+        runs.append(current)
+    return runs
+
+
+def unsupported_input(gm: fx.GraphModule) -> Optional[str]:
+    """Why regions cannot be cut from gm (symbolic shapes: regions would need their own guards),
+    or None."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) or (
+            isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in val.shape)
+        ):
+            return f"{node.name} has a symbolic shape"
+    return None
+
+
+def cut_region(gm: fx.GraphModule, run: list[fx.Node]) -> Optional[Region]:
+    """The run as a graph of its own, or None where it stays FX (only views, or it reads or
+    returns a value that is not a tensor). May take getitems into the run (_take_in_getitems)."""
+    if not any(_is_compute(n) for n in run) or not _take_in_getitems(run):
+        return None
+    members = set(run)
+    inputs = list(dict.fromkeys(i for n in run for i in n.all_input_nodes if i not in members))
+    if not all(isinstance(i.meta.get("val"), torch.Tensor) for i in inputs):
+        return None
+    outputs = [n for n in run if any(user not in members for user in n.users)]
+    if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in outputs):
+        return None
+    root, graph = torch.nn.Module(), fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    constants = 0
+    for i, value in enumerate(inputs):
+        env[value] = graph.placeholder(f"arg{i}")
+        env[value].meta["val"] = value.meta["val"]
+    for node in run:
+        if node.op == "get_attr":
+            name, constants = f"_constant{constants}", constants + 1
+            setattr(root, name, _attribute(gm, node.target))
+            copied = graph.get_attr(name)
+        else:  # no name given: FX numbers nodes by their target, the same in every identical run
+            args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
+            copied = graph.create_node(node.op, node.target, args, kwargs)
+        for key in ("val", "tensor_meta"):
+            if key in node.meta:
+                copied.meta[key] = node.meta[key]
+        env[node] = copied
+    graph.output(tuple(env[n] for n in outputs))
+    return Region(fx.GraphModule(root, graph), inputs, outputs)
+
+
+def _take_in_getitems(run: list[fx.Node]) -> bool:
+    """A region returns tensors only: the getitems that unpack a multi-output node of the run
+    (dropout's output and mask) move from later in the graph to right after it, into the run.
+    False where a multi-output node has another kind of user outside the run (the run stays FX)."""
+    members = set(run)
+    for node in list(run):
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        outside = [user for user in node.users if user not in members]
+        if not all(user.op == "call_function" and user.target is operator.getitem for user in outside):
+            return False
+        at = run.index(node) + 1
+        for user in outside:
+            node.append(user)  # reads only `node`: moving it up keeps the graph valid
+            run.insert(at, user)
+            members.add(user)
+    return True
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _replace_run(gm: fx.GraphModule, run: list[fx.Node], region: Region, call: Callable, index: int) -> None:
+    """Put one call of the compiled region where the run was; its outputs replace the run's."""
+    graph = gm.graph
+    with graph.inserting_before(run[0]):
+        node = graph.call_function(call, tuple(region.inputs))
+        node.name = f"region_{index}"
+        results = [graph.call_function(operator.getitem, (node, i)) for i in range(len(region.outputs))]
+    for old, new in zip(region.outputs, results):
+        new.meta = dict(old.meta)
+        old.replace_all_uses_with(new)
+    for old in reversed(run):
+        graph.erase_node(old)
+
+
+def _boxed_region(compiled: Callable[[list[Any]], Any]) -> Callable[..., Any]:
+    def region(*args: Any) -> Any:
+        return compiled(list(args))
+
+    return region
+
+
+def compile_regions(gm: fx.GraphModule, compile_region: CompileRegion) -> Callable[[list[Any]], Any]:
+    """gm with each run between collectives compiled by `compile_region(region_graph, fake_inputs)`
+    (a boxed callable), as a boxed callable: it takes the list of inputs and frees each after its
+    last use, as Inductor's own compiled graphs do. gm is changed in place.
+
+    A region identical to an earlier one of gm (same code, inputs of the same shapes, strides and
+    dtypes, no constants) reuses its compiled callable without asking Inductor again; across graphs
+    and processes the FX-graph cache does the same."""
+    runs = runs_between_collectives(gm.graph)
+    compiled: dict[tuple, Callable[[list[Any]], Any]] = {}
+    regions = 0
+    taken: set[fx.Node] = set()  # getitems an earlier run took in: no longer in their own run
+    for index, run in enumerate(runs):
+        run[:] = [n for n in run if n not in taken]
+        own = set(run)
+        region = cut_region(gm, run)
+        taken.update(n for n in run if n not in own)
+        if region is None:
+            continue
+        key = _reuse_key(region)
+        if key is None or key not in compiled:
+            fake_inputs = [i.meta["val"] for i in region.inputs]
+            # A context of its own: Inductor reports each graph's output strides to the tracing
+            # context, which AOTAutograd's expects once per forward, not once per region.
+            with tracing(TracingContext(detect_fake_mode(fake_inputs))):
+                compiled[key or index] = compile_region(region.graph, fake_inputs)
+        _replace_run(gm, run, region, _boxed_region(compiled[key or index]), index)
+        regions += 1
+    log.debug("zpp_compile: %d runs between collectives, %d regions, %d compiled", len(runs), regions, len(compiled))
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run_graph(args: list[Any]) -> Any:
+        return gm.forward(args)
+
+    run_graph._boxed_call = True  # type: ignore[attr-defined]
+    return run_graph
+
+
+def _reuse_key(region: Region) -> Optional[tuple]:
+    """What makes two regions' compiled code interchangeable; None for a region with constants
+    (their values are not in its code)."""
+    if any(n.op == "get_attr" for n in region.graph.graph.nodes):
+        return None
+    inputs = tuple(
+        (tuple(v.shape), v.stride(), v.dtype, v.device, v.storage_offset())
+        for v in (i.meta["val"] for i in region.inputs)
+    )
+    return region.graph.code, inputs
