@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
 from zpp_compile.inductor_regions import compile_regions, cut_region, runs_between_collectives, unsupported_input
-from zpp_compile.passes import bucket_collectives, lower_gather, tag_parameter_inputs
+from zpp_compile.passes import bucket_collectives, cuts_at_blocks, lower_gather, tag_parameter_inputs
 from zpp_compile.passes.buckets import block_of_name
 from zpp_compile.passes.graph_utils import COLLECTIVE_STARTS
 
@@ -98,7 +98,9 @@ def test_a_bucket_never_spans_two_blocks(group_of_one):
     args = (torch.randn(8, 64), *(torch.randn(4096) for _ in range(3)))
     # The shards are graph inputs 1-3 (what tag_parameter_inputs records on each gather).
     ctx = dataclasses.replace(
-        context(group_of_one), parameter_names=("h.0.w", "h.0.v", "h.1.w"), parameter_positions=(1, 2, 3)
+        context(group_of_one, inductor_regions=True),
+        parameter_names=("h.0.w", "h.0.v", "h.1.w"),
+        parameter_positions=(1, 2, 3),
     )
     gm = lower_gather(tag_parameter_inputs(make_fx(forward, tracing_mode="fake")(*args), ctx), ctx)
     want = gm(*args)
@@ -107,6 +109,15 @@ def test_a_bucket_never_spans_two_blocks(group_of_one):
     sizes = [n.args[0].meta["val"].numel() for n in gathers]
     assert sizes == [2 * 4096, 4096], sizes
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+
+
+def test_graphs_are_cut_by_block_from_four_blocks_on_unless_the_config_says(group_of_one):
+    def cut(names, **config):
+        return cuts_at_blocks(dataclasses.replace(context(group_of_one, **config), parameter_names=names))
+
+    four = tuple(f"h.{i}.w" for i in range(4))
+    assert cut(four) and not cut(four[:3]) and not cut(("wte.weight", "lm_head.weight"))
+    assert cut(four[:2], inductor_regions=True) and not cut(four, inductor_regions=False)
 
 
 def test_block_of_a_parameter_is_its_name_up_to_the_first_index():

@@ -190,11 +190,12 @@ class Config:
         '`"inductor"` compiles the rewritten graphs with Inductor; `"aot_eager"` runs them as plain FX '
         "graphs, for debugging the passes",
     )
-    inductor_regions: bool = _field(
-        True,
-        "under Inductor, compile each run of computation between two collectives as a graph of its own: "
-        "identical blocks then compile once and hit Inductor's FX-graph cache (compile time grows little "
-        "with depth); `False` compiles each forward and backward graph whole",
+    inductor_regions: Optional[bool] = _field(
+        None,
+        "cut the graphs by block: buckets never span two repeated blocks (`h.3.` vs `h.4.`), and under "
+        "Inductor each run of computation between two collectives compiles as a region of its own, so "
+        "identical blocks compile once (compile time grows little with depth). `None`: when the model "
+        "has at least 4 repeated blocks; `False`: buckets across blocks, each graph compiled whole",
     )
     dump_graphs_dir: Optional[str] = _field(
         None, "dump every graph before/after every pass to this folder (also `ZPP_DUMP_GRAPHS=dir`)"
@@ -204,7 +205,8 @@ class Config:
         _require_bool(self, "quantize_weights")
         _require_bool(self, "quantize_frozen_weights")
         _require_bool(self, "quantize_gradients")
-        _require_bool(self, "inductor_regions")
+        if self.inductor_regions is not None:
+            _require_bool(self, "inductor_regions")
         _require_bool(self, "hpz_quantized_secondary")
         _require_bool(self, "qgz_error_feedback")
         if self.qgz_error_feedback and not self.quantize_gradients:

@@ -10,6 +10,7 @@ from typing import Callable
 import torch.fx as fx
 
 from .bucket_collectives import bucket_collectives
+from .buckets import cuts_at_blocks
 from .context import PassContext
 from .dedupe_gathers import dedupe_gathers
 from .hpz import hpz
@@ -87,6 +88,7 @@ __all__ = [
     "PartitionPass",
     "PassContext",
     "check_no_gathered_weight_saved",
+    "cuts_at_blocks",
     "dedupe_gathers",
     "hpz",
     "lower_gather",

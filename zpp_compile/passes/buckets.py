@@ -52,9 +52,25 @@ def block_of_name(fqn: str) -> str:
     return "" if index is None else ".".join(parts[: index + 1])
 
 
+# Config.inductor_regions=None cuts by block from this many repeated blocks on: below it, regions
+# repeat too little to pay for compiling them one by one, and buckets across blocks mean fewer
+# collectives.
+MIN_BLOCKS = 4
+
+
+def cuts_at_blocks(ctx: PassContext) -> bool:
+    """Whether this graph's buckets stop at block boundaries and Inductor compiles it by region."""
+    if ctx.config.inductor_regions is not None:
+        return ctx.config.inductor_regions
+    return len({block_of_name(n) for n in ctx.parameter_names} - {""}) >= MIN_BLOCKS
+
+
 def block_of(node: fx.Node, ctx: PassContext) -> Optional[str]:
     """The block of the parameter a marker (or the collective lowered from it) serves, or None
-    where the node does not say (then it may share a bucket with any neighbour)."""
+    where the node does not say or the graph is not cut by block (then it may share a bucket with
+    any neighbour)."""
+    if not cuts_at_blocks(ctx):
+        return None
     position = node.meta.get("custom", {}).get(PARAM_INPUT)
     name = ctx.parameter_name_at(position)
     return None if name is None else block_of_name(name)

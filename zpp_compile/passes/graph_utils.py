@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Callable, Iterator
+import weakref
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -191,12 +193,52 @@ def inline_traced(graph: fx.Graph, fn: Callable, node_args: list[fx.Node], decom
     node; the copied nodes carry valid meta["val"]. Returns the node(s) of fn's output.
     Traced functionalized, as AOTAutograd would: a torch.library.triton_op then becomes
     triton_kernel_wrapper_functional, the form Inductor schedules as a user Triton kernel.
+
+    A trace is reused for the same `fn` (a functools.partial compared by its arguments) on inputs
+    of the same shapes in the same fake mode: the parameters of repeated blocks trace once, and
+    each copy gets fake values of its own (passes and Inductor tell tensors apart by them).
     """
+    fake_args = [n.meta["val"] for n in node_args]
+    fake_mode = detect_fake_mode(fake_args)
+    traces = _TRACES.setdefault(fake_mode, {})
+    key = _trace_key(fn, fake_args, decompositions)
+    reused = key is not None and key in traces
+    if not reused:
+        traced = _trace(fn, fake_args, fake_mode, decompositions)
+        if key is not None:
+            traces[key] = traced
+    traced = traces[key] if reused else traced
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    copied: dict[fx.Node, fx.Node] = dict(zip(placeholders, node_args))
+    out = graph.graph_copy(traced.graph, copied)
+    if reused:
+        _fresh_fake_values([copied[n] for n in traced.graph.nodes if n.op == "call_function"], fake_mode)
+    return out
+
+
+# Traces by fake mode (one per compiled Dynamo graph): gone with the graph's compile.
+_TRACES: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
+
+
+def _trace(fn: Callable, fake_args: list, fake_mode: Any, decompositions: dict | None) -> fx.GraphModule:
     from torch._subclasses.functional_tensor import dispatch_functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    fake_args = [n.meta["val"] for n in node_args]
-    with detect_fake_mode(fake_args):
-        traced = make_fx(dispatch_functionalize(fn), decomposition_table=decompositions or {})(*fake_args)
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    return graph.graph_copy(traced.graph, dict(zip(placeholders, node_args)))
+    with fake_mode:
+        return make_fx(dispatch_functionalize(fn), decomposition_table=decompositions or {})(*fake_args)
+
+
+def _trace_key(fn: Callable, fake_args: list, decompositions: dict | None) -> Optional[tuple]:
+    """What a trace depends on, or None where that cannot be told (not a functools.partial)."""
+    if not isinstance(fn, functools.partial):
+        return None
+    inputs = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in fake_args)
+    return fn.func, repr(fn.args), repr(sorted(fn.keywords.items())), inputs, id(decompositions)
+
+
+def _fresh_fake_values(nodes: list[fx.Node], fake_mode: Any) -> None:
+    """Run each node's op on its inputs' fake values: new tensors, related as the ops relate them."""
+    with fake_mode:
+        for node in nodes:
+            args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            node.meta["val"] = node.target(*args, **kwargs)
