@@ -71,7 +71,14 @@ def run_workers(script: str, nproc: int, worker_args: list[str]) -> list[dict]:
         return json.loads(Path(out).read_text())
 
 
+HAND_WRITTEN = "## Reading the table (written by hand"
+
+
 def publish(text: str, doc: str, title: str) -> None:
-    """Print a benchmark's markdown and write it to docs/<doc> under `title`."""
+    """Print a benchmark's markdown and write it to docs/<doc> under `title`, keeping the doc's
+    hand-written section (from a heading starting with HAND_WRITTEN to the end) as it is."""
     print(text)
-    (Path(__file__).resolve().parent.parent / "docs" / doc).write_text(f"# {title}\n\n{text}\n")
+    path = Path(__file__).resolve().parent.parent / "docs" / doc
+    old = path.read_text() if path.exists() else ""
+    kept = old[old.index(HAND_WRITTEN) :] if HAND_WRITTEN in old else ""
+    path.write_text(f"# {title}\n\n{text}\n" + (f"\n{kept}" if kept else ""))

@@ -4,8 +4,8 @@ Runs on the lowered forward and backward graphs (functional collectives, after t
 passes), so the bytes it counts are the bytes that travel: int8 payloads under qwZ, the in-node
 group under hpZ. Inductor's passes (torch._inductor.fx_passes.bucketing) group collectives of the
 same group and dtype that are adjacent in wait order and independent of each other, up to a
-size cap, and rewrite each group into one collective on a concatenated buffer. A bucket never
-spans two repeated blocks of the model (buckets.py says why).
+size cap, and rewrite each group into one collective on a concatenated buffer. In a graph cut by
+block (buckets.cuts_at_blocks) a bucket never spans two repeated blocks (buckets.py says why).
 Before:  a = wait(all_gather(x, 4, g)); b = wait(all_gather(y, 4, g))
 After:   ab = wait(all_gather(cat(x, y), 4, g)); a, b = the per-rank slices of ab, copied out
 qgZ's all-to-alls are bucketed by qgz itself (Inductor does not bucket all-to-all).
@@ -40,10 +40,13 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     before = _count(gm)
     draws = random_nodes(gm.graph)
     gather_cap, reduce_cap = ctx.config.gather_bucket_bytes, ctx.config.reduce_bucket_bytes
-    if gather_cap:
-        merge_all_gather(gm, _buckets(gm, is_all_gather_into_tensor, gather_cap, ctx), "default")
-    if reduce_cap:
-        merge_reduce_scatter(gm, _buckets(gm, is_reduce_scatter_tensor, reduce_cap, ctx), "default")
+    for cap, is_kind, merge in (
+        (gather_cap, is_all_gather_into_tensor, merge_all_gather),
+        (reduce_cap, is_reduce_scatter_tensor, merge_reduce_scatter),
+    ):
+        buckets = _buckets(gm, is_kind, cap, ctx) if cap else []
+        if buckets:
+            merge(gm, buckets, "default")
     after = _count(gm)
     if after == before:
         log.debug("bucket_collectives: %s: nothing to merge; graph unchanged", ctx.label)
@@ -56,7 +59,8 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _buckets(gm: fx.GraphModule, is_kind: Callable[[fx.Node], bool], cap: int, ctx: PassContext) -> list:
     """Inductor's greedy buckets of one kind of collective, grouped by (group, dtype) as Inductor
-    does and by block: the packing restarts with every block, so each block is cut alike."""
+    does and, in a graph cut by block, by block: the packing restarts with every block, so each
+    block is cut alike."""
     return greedy_bucket_collective_by_mb(
         gm, lambda _: cap / _MIB, is_kind, lambda node: (bucket_key(node, "default"), block_of(node, ctx))
     )

@@ -1,10 +1,10 @@
 """Bucketing: which collective markers travel together as one collective.
 
 A bucket is a run of consecutive markers in graph order whose payloads add up to at most the
-Config's bucket size (a single marker larger than that is a bucket of its own), all of one block
-(below). Graph order is the same on every rank, so the buckets are too (invariant 1 of README.md).
+Config's bucket size (a single marker larger than that is a bucket of its own), in a graph cut by
+block all of one block (below). Graph order is the same on every rank, so the buckets are too (invariant 1 of README.md).
 
-Blocks: a bucket never spans two repeated blocks of the model (the parameters of
+Blocks (cuts_at_blocks): a bucket never spans two repeated blocks of the model (the parameters of
 "transformer.h.3." and those of "transformer.h.4."). So every block's collectives, and the
 computation between them, are the same from block to block, and Inductor compiles one block's
 regions once for all of them (see inductor_regions.py). FSDP2 gets the same from fully_shard per

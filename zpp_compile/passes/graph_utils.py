@@ -200,14 +200,14 @@ def inline_traced(graph: fx.Graph, fn: Callable, node_args: list[fx.Node], decom
     """
     fake_args = [n.meta["val"] for n in node_args]
     fake_mode = detect_fake_mode(fake_args)
-    traces = _TRACES.setdefault(fake_mode, {})
+    traces = _TRACES.setdefault(fake_mode, {}) if fake_mode is not None else {}
     key = _trace_key(fn, fake_args, decompositions)
-    reused = key is not None and key in traces
-    if not reused:
+    traced = traces.get(key) if key is not None else None
+    reused = traced is not None
+    if traced is None:
         traced = _trace(fn, fake_args, fake_mode, decompositions)
         if key is not None:
             traces[key] = traced
-    traced = traces[key] if reused else traced
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     copied: dict[fx.Node, fx.Node] = dict(zip(placeholders, node_args))
     out = graph.graph_copy(traced.graph, copied)
