@@ -6,17 +6,17 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx_inner
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
+from zpp_compile.compile_timing import fx_graph_cache_counts
 from zpp_compile.inductor_regions import compile_regions, cut_region, runs_between_collectives, unsupported_input
 from zpp_compile.passes import bucket_collectives, cuts_at_blocks, lower_gather, tag_parameter_inputs
 from zpp_compile.passes.buckets import block_of_name
 from zpp_compile.passes.graph_utils import COLLECTIVE_STARTS
 
-from .passes.helpers import context, gathered_layers
+from .passes.helpers import context, gathered_layers, gathering_layers
 
 c10d = torch.ops._c10d_functional
 
@@ -63,8 +63,7 @@ def test_identical_layers_compile_once(group_of_one):
 
 
 def _fx_graph_cache_lookups() -> int:
-    inductor = counters["inductor"]
-    return inductor["fxgraph_cache_hit"] + inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"]
+    return sum(fx_graph_cache_counts())
 
 
 def test_a_run_of_views_only_stays_fx(group_of_one):
@@ -89,20 +88,14 @@ def test_a_graph_with_symbolic_shapes_is_compiled_whole(group_of_one):
 
 def test_a_bucket_never_spans_two_blocks(group_of_one):
     """Three gathers fit one bucket, but the first two serve block h.0 and the third h.1."""
-
-    def forward(x, a, b, c):
-        for shard in (a, b, c):
-            x = torch.tanh(x @ torch.ops.zpp.gather_param(shard, 64 * 64, [64, 64], 64 * 64, 1, group_of_one).t())
-        return x
-
-    args = (torch.randn(8, 64), *(torch.randn(4096) for _ in range(3)))
     # The shards are graph inputs 1-3 (what tag_parameter_inputs records on each gather).
     ctx = dataclasses.replace(
         context(group_of_one, inductor_regions=True),
         parameter_names=("h.0.w", "h.0.v", "h.1.w"),
         parameter_positions=(1, 2, 3),
     )
-    gm = lower_gather(tag_parameter_inputs(make_fx(forward, tracing_mode="fake")(*args), ctx), ctx)
+    traced, args = gathering_layers(group_of_one, 3)
+    gm = lower_gather(tag_parameter_inputs(traced, ctx), ctx)
     want = gm(*args)
     gm = bucket_collectives(gm, ctx)
     gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_STARTS]

@@ -19,12 +19,10 @@ def trace(fn, *args) -> fx.GraphModule:
     return make_fx(fn, tracing_mode="fake")(*args)
 
 
-def gathered_layers(group: str, layers: int = 3) -> tuple[fx.GraphModule, tuple]:
-    """x -> `layers` linear layers (tanh) whose 64 x 64 weights are gathered, one all-gather each,
-    lowered to functional collectives; with example inputs (x, then one shard per layer)."""
+def gathering_layers(group: str, layers: int = 3) -> tuple[fx.GraphModule, tuple]:
+    """x -> `layers` linear layers (tanh) whose 64 x 64 weights are gathered (zpp.gather_param
+    markers, one per layer), traced; with example inputs (x, then one shard per layer)."""
     import torch
-
-    from zpp_compile.passes import lower_gather
 
     def forward(x, *shards):
         for shard in shards:
@@ -32,7 +30,15 @@ def gathered_layers(group: str, layers: int = 3) -> tuple[fx.GraphModule, tuple]
         return x
 
     args = (torch.randn(8, 64), *(torch.randn(4096) for _ in range(layers)))
-    return lower_gather(trace(forward, *args), context(group)), args
+    return trace(forward, *args), args
+
+
+def gathered_layers(group: str, layers: int = 3) -> tuple[fx.GraphModule, tuple]:
+    """gathering_layers lowered: one functional all-gather per layer."""
+    from zpp_compile.passes import lower_gather
+
+    gm, args = gathering_layers(group, layers)
+    return lower_gather(gm, context(group)), args
 
 
 def targets(gm: fx.GraphModule) -> list:

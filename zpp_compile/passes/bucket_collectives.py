@@ -27,7 +27,7 @@ from torch._inductor.fx_passes.bucketing import (
     merge_reduce_scatter,
 )
 
-from .buckets import block_of
+from .buckets import blocks_of
 from .context import PassContext
 from .graph_utils import COLLECTIVE_STARTS, calls, finish, random_nodes, stable_topological_sort
 
@@ -61,8 +61,9 @@ def _buckets(gm: fx.GraphModule, is_kind: Callable[[fx.Node], bool], cap: int, c
     """Inductor's greedy buckets of one kind of collective, grouped by (group, dtype) as Inductor
     does and, in a graph cut by block, by block: the packing restarts with every block, so each
     block is cut alike."""
+    block_of = blocks_of(ctx)
     return greedy_bucket_collective_by_mb(
-        gm, lambda _: cap / _MIB, is_kind, lambda node: (bucket_key(node, "default"), block_of(node, ctx))
+        gm, lambda _: cap / _MIB, is_kind, lambda node: (bucket_key(node, "default"), block_of(node))
     )
 
 

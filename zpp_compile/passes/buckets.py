@@ -65,12 +65,11 @@ def cuts_at_blocks(ctx: PassContext) -> bool:
     return len({block_of_name(n) for n in ctx.parameter_names} - {""}) >= MIN_BLOCKS
 
 
-def block_of(node: fx.Node, ctx: PassContext) -> Optional[str]:
-    """The block of the parameter a marker (or the collective lowered from it) serves, or None
+def blocks_of(ctx: PassContext) -> Callable[[fx.Node], Optional[str]]:
+    """node -> the block of the parameter a marker (or the collective lowered from it) serves; None
     where the node does not say or the graph is not cut by block (then it may share a bucket with
-    any neighbour)."""
+    any neighbour). Worked out once per graph: bucketing asks for every collective."""
     if not cuts_at_blocks(ctx):
-        return None
-    position = node.meta.get("custom", {}).get(PARAM_INPUT)
-    name = ctx.parameter_name_at(position)
-    return None if name is None else block_of_name(name)
+        return lambda node: None
+    block_at = {p: block_of_name(n) for p, n in zip(ctx.parameter_positions, ctx.parameter_names)}
+    return lambda node: block_at.get(node.meta.get("custom", {}).get(PARAM_INPUT))

@@ -51,11 +51,5 @@ class PassContext:
             f.write(gm.print_readable(print_output=False, include_stride=True, include_device=True))
         return path
 
-    def parameter_name_at(self, position: Optional[int]) -> Optional[str]:
-        """The name of the parameter at a Dynamo graph input position, when compiled (None: unknown)."""
-        if position is None or position not in self.parameter_positions:
-            return None
-        return self.parameter_names[self.parameter_positions.index(position)]
-
     def for_phase(self, phase: str) -> PassContext:
         return dataclasses.replace(self, phase=phase, _dump_step=0)

@@ -36,7 +36,7 @@ from ..codegen.quantize import ceil_div
 from ..codegen.registry import QuantKernels, quant_kernels
 from ..error_feedback import new_slot
 from ..topology import Topology
-from .buckets import block_of, bucket_by_bytes
+from .buckets import blocks_of, bucket_by_bytes
 from .context import PassContext
 from .graph_utils import c10d, calls, finish, inline_traced, random_nodes, replace_node, stable_topological_sort
 
@@ -57,8 +57,7 @@ def qgz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 f"qgz: {marker.name} reduces over {marker.args[3]} ranks; qgZ reduces over the world."
             )
     draws = random_nodes(gm.graph)
-    block = functools.partial(block_of, ctx=ctx)
-    for bucket in bucket_by_bytes(markers, _gradient_bytes, ctx.config.reduce_bucket_bytes, block):
+    for bucket in bucket_by_bytes(markers, _gradient_bytes, ctx.config.reduce_bucket_bytes, blocks_of(ctx)):
         _rewrite_bucket(gm.graph, bucket, ctx)
     stable_topological_sort(gm.graph, draws)  # a user of an early marker may sit before the bucket's end
     return finish(gm)
