@@ -27,7 +27,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from . import comm, compat, compile_timing, inductor_regions, passes
+from . import comm, compat, compile_sharing, compile_timing, inductor_regions, passes
 from .faults import explained_collective_failures
 from .layout import ShardedState, shard_spec, state_of_shard
 from .plan import as_scheduled, collectives_in, marker_schedule
@@ -246,7 +246,7 @@ def _compile_partitioned(
         lowered, lowered_inputs, moved = _opaque_inputs_outside(gm, example_inputs)
         cache_before = compile_timing.fx_graph_cache_counts()
         with eager_random_ops(), ctx.stage_seconds.timed(f"{ctx.phase}/inductor"):
-            compiled = _inductor(lowered, lowered_inputs, ctx)
+            compiled = _inductor(lowered, lowered_inputs, ctx, is_copy=moved is not None)
         compiled = _with_opaque_inputs(compiled, moved)
         record.inductor_cache[ctx.phase] = compile_timing.cache_outcome(
             cache_before, compile_timing.fx_graph_cache_counts()
@@ -258,9 +258,10 @@ def _compile_partitioned(
     return _counting(compiled, collectives, schedule, device, ctx)
 
 
-def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassContext) -> Callable:
+def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassContext, *, is_copy: bool) -> Callable:
     """Inductor's compiled gm (boxed): region by region (see inductor_regions) unless the Config
-    or the graph rules that out, else whole."""
+    or the graph rules that out, else whole. `is_copy`: gm is not the graph compiled_graphs()
+    keeps, so cutting regions may change it in place."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     compile_graph = functools.partial(
@@ -272,8 +273,17 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassCon
     if whole:
         log.debug("zeropp: %s compiles whole: %s", ctx.label, whole)
         return compile_graph(gm, example_inputs)
-    # A copy: compiled_graphs() keeps the rewritten graph as the passes left it.
-    return inductor_regions.compile_regions(fx.GraphModule(gm, copy.deepcopy(gm.graph)), compile_graph)
+    # compiled_graphs() keeps the rewritten graph as the passes left it.
+    cut = gm if is_copy else fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    return inductor_regions.compile_regions(cut, compile_graph, _region_compiler(ctx))
+
+
+def _region_compiler(ctx: passes.PassContext) -> Callable[[list[inductor_regions.RegionCompile]], None]:
+    """How a graph's distinct regions get compiled: shared with the other ranks of the host
+    (Config.share_compiles), or each by this rank."""
+    if not ctx.config.share_compiles:
+        return inductor_regions.compile_each
+    return functools.partial(compile_sharing.run_compiles, timeout_s=ctx.topology.collective_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)

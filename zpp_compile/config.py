@@ -197,6 +197,13 @@ class Config:
         "identical blocks compile once (compile time grows little with depth). `None`: when the model "
         "has at least 4 repeated blocks; `False`: buckets across blocks, each graph compiled whole",
     )
+    share_compiles: bool = _field(
+        True,
+        "the ranks of one host that share an Inductor cache directory compile each distinct region of a graph "
+        "(`inductor_regions`) once between them: a rank skips the regions another is compiling (a file lock in "
+        "the cache directory) and loads them from the cache afterwards. No collective; `False`: each rank "
+        "compiles every region itself",
+    )
     dump_graphs_dir: Optional[str] = _field(
         None, "dump every graph before/after every pass to this folder (also `ZPP_DUMP_GRAPHS=dir`)"
     )
@@ -207,6 +214,7 @@ class Config:
         _require_bool(self, "quantize_gradients")
         if self.inductor_regions is not None:
             _require_bool(self, "inductor_regions")
+        _require_bool(self, "share_compiles")
         _require_bool(self, "hpz_quantized_secondary")
         _require_bool(self, "qgz_error_feedback")
         if self.qgz_error_feedback and not self.quantize_gradients:

@@ -26,6 +26,7 @@ After:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import operator
 from typing import Any, Callable, Optional
@@ -170,23 +171,51 @@ def _replace_run(gm: fx.GraphModule, run: list[fx.Node], region: Region, call: C
         graph.erase_node(old)
 
 
-def _boxed_region(compiled: Callable[[list[Any]], Any]) -> Callable[..., Any]:
+@dataclasses.dataclass(eq=False)
+class RegionCompile:
+    """One distinct region of a graph to compile; the graph's region calls read `compiled`."""
+
+    digest: Optional[str]  # of its reuse key, equal on every rank with the same region; None: none
+    size: int  # its node count: a proxy for how long it takes to compile
+    graph: fx.GraphModule
+    fake_inputs: list[Any]
+    compile_region: CompileRegion
+    compiled: Optional[Callable[[list[Any]], Any]] = None
+
+    def compile(self) -> None:
+        # A context of its own: Inductor reports each graph's output strides to the tracing
+        # context, which AOTAutograd's expects once per forward, not once per region.
+        with tracing(TracingContext(detect_fake_mode(self.fake_inputs))):
+            self.compiled = self.compile_region(self.graph, self.fake_inputs)
+
+
+def compile_each(jobs: list[RegionCompile]) -> None:
+    for job in jobs:
+        job.compile()
+
+
+def _boxed_region(job: RegionCompile) -> Callable[..., Any]:
     def region(*args: Any) -> Any:
-        return compiled(list(args))
+        return job.compiled(list(args))  # type: ignore[misc]
 
     return region
 
 
-def compile_regions(gm: fx.GraphModule, compile_region: CompileRegion) -> Callable[[list[Any]], Any]:
+def compile_regions(
+    gm: fx.GraphModule,
+    compile_region: CompileRegion,
+    compile_all: Callable[[list[RegionCompile]], None] = compile_each,
+) -> Callable[[list[Any]], Any]:
     """gm with each run between collectives compiled by `compile_region(region_graph, fake_inputs)`
     (a boxed callable), as a boxed callable: it takes the list of inputs and frees each after its
     last use, as Inductor's own compiled graphs do. gm is changed in place.
 
     A region identical to an earlier one of gm (same code, inputs of the same shapes, strides and
     dtypes, no constants) reuses its compiled callable without asking Inductor again; across graphs
-    and processes the FX-graph cache does the same."""
+    and processes the FX-graph cache does the same. The graph is cut first; then `compile_all`
+    compiles its distinct regions (compile_sharing deals them out among a host's ranks)."""
     runs = runs_between_collectives(gm.graph)
-    compiled: dict[tuple, Callable[[list[Any]], Any]] = {}
+    jobs: dict[Any, RegionCompile] = {}
     regions = 0
     taken: set[fx.Node] = set()  # getitems an earlier run took in: no longer in their own run
     for index, run in enumerate(runs):
@@ -197,15 +226,15 @@ def compile_regions(gm: fx.GraphModule, compile_region: CompileRegion) -> Callab
         if region is None:
             continue
         key = _reuse_key(region)
-        if key is None or key not in compiled:
+        if key is None or key not in jobs:
+            digest = None if key is None else hashlib.sha256(repr(key).encode()).hexdigest()[:32]
             fake_inputs = [i.meta["val"] for i in region.inputs]
-            # A context of its own: Inductor reports each graph's output strides to the tracing
-            # context, which AOTAutograd's expects once per forward, not once per region.
-            with tracing(TracingContext(detect_fake_mode(fake_inputs))):
-                compiled[key or index] = compile_region(region.graph, fake_inputs)
-        _replace_run(gm, run, region, _boxed_region(compiled[key or index]), index)
+            size = len(region.graph.graph.nodes)
+            jobs[key or index] = RegionCompile(digest, size, region.graph, fake_inputs, compile_region)
+        _replace_run(gm, run, region, _boxed_region(jobs[key or index]), index)
         regions += 1
-    log.debug("zpp_compile: %d runs between collectives, %d regions, %d compiled", len(runs), regions, len(compiled))
+    compile_all(list(jobs.values()))
+    log.debug("zpp_compile: %d runs between collectives, %d regions, %d compiled", len(runs), regions, len(jobs))
     gm.graph.set_codegen(_BoxedCodeGen())
     gm.recompile()
 

@@ -56,6 +56,15 @@ class ShardSpec:
     device: torch.device = torch.device("cpu")  # where the shard lives; moving it later is refused
     plan_id: int = 0  # which shard() call made it: compiled graphs are specialised on it (see gather_full)
 
+    def __post_init__(self) -> None:
+        # What every read of the parameter in forward passes to its gather op, worked out once:
+        # Dynamo traces each read (a model's every parameter, on every restart of its analysis),
+        # and the properties below cost it hundreds of bytecodes per read.
+        kwargs = {"dtype": self.compute_dtype, "reduce_dtype": self.reduce_dtype}
+        gather_args = (self.numel, list(self.shape), self.shard_numel, self.group_size, self.group_name)
+        object.__setattr__(self, "gather_args", gather_args)
+        object.__setattr__(self, "gather_kwargs", {k: v for k, v in kwargs.items() if v is not None})
+
     @property
     def replicated(self) -> bool:
         """A 0-d parameter: every rank holds all of it (DTensor Replicate)."""

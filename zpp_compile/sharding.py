@@ -246,14 +246,14 @@ def gather_full(param: Tensor, *, payload: Optional[Tensor] = None, in_compute_d
     values). in_compute_dtype=False gathers the master values (the shard's dtype) even under
     mixed precision: what export wants.
     """
-    spec = shard_spec(param)
+    spec = param._zpp_spec  # read directly, as below: Dynamo traces this for every parameter read
     # Branching on plan_id makes Dynamo guard on it: a graph compiled for one shard() call (its
     # Config, topology, cost model) is never reused for parameters of another, which would
     # otherwise match every tensor guard and silently run the first model's plan.
     if spec.plan_id < 0:
         raise AssertionError("unreachable: plan ids count from 0")
-    compute_dtype = spec.compute_dtype if in_compute_dtype else None
     if spec.quantized_block is not None:
+        compute_dtype = spec.compute_dtype if in_compute_dtype else None
         return torch.ops.zpp.gather_quantized_param(
             payload,
             spec.numel,
@@ -265,18 +265,15 @@ def gather_full(param: Tensor, *, payload: Optional[Tensor] = None, in_compute_d
             spec.group_name,
             **_name_for_eager(spec),
         )
-    kwargs = {"dtype": compute_dtype, "reduce_dtype": spec.reduce_dtype if in_compute_dtype else None}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None} | _name_for_eager(spec)
+    kwargs = (spec.gather_kwargs if in_compute_dtype else {}) | _name_for_eager(spec)
     if in_compute_dtype and param.requires_grad and torch.is_grad_enabled():
         # Under no_sync (or the flush after it) the backward accumulates or adds the buffer of
         # this parameter: the mode and the buffer's key are in the graph (Dynamo guards on them).
-        kwargs |= grad_sync_kwargs(param._zpp_state, spec.fqn)
+        kwargs = kwargs | grad_sync_kwargs(param._zpp_state, spec.fqn)
     local = param.to_local()
     if spec.replicated:
         return torch.ops.zpp.replicated_param(local, spec.group_size, spec.group_name, **kwargs)
-    return torch.ops.zpp.gather_param(
-        local, spec.numel, list(spec.shape), spec.shard_numel, spec.group_size, spec.group_name, **kwargs
-    )
+    return torch.ops.zpp.gather_param(local, *spec.gather_args, **kwargs)
 
 
 def _name_for_eager(spec: ShardSpec) -> dict[str, str]:
@@ -486,20 +483,27 @@ def _never_a_frame_of_its_own() -> None:
     """Dynamo inlines a parameter read into the graph of the code that reads it. Called from code
     Dynamo runs eagerly (torch.nn's own forwards, a frame skipped for a graph break in a loop), the
     read would be compiled as a frame of its own, once per module and name until the recompile
-    limit: run it as plain Python there instead (the gather is then an eager all-gather)."""
+    limit: run it as plain Python there instead (the gather is then an eager all-gather). The
+    forward wrapper (_counting_forwards) is inlined too, and never traced as a frame of its own."""
     from torch._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
     # SKIP for the read and for every frame it calls (gather_full, to_local, the op's autograd).
     skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
     set_code_exec_strategy(_sharded_attribute("weight").fget.__code__, skip)
+    # The forward wrapper, run as a frame (the model's own forward; a block's after a graph break),
+    # runs as plain Python and the forward it wraps is the frame Dynamo traces. Traced, its
+    # try/finally makes any graph break below it one Dynamo cannot resume from: Dynamo traced the
+    # whole model once more only to give the frame up (Hugging Face models break on their logging).
+    skip_this_frame_only = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
+    set_code_exec_strategy(_counting_forwards(nn.Module.forward).__code__, skip_this_frame_only)
 
 
 _never_a_frame_of_its_own()
 
 
 def _check_still_sharded(module: nn.Module, name: str, param: Optional[Tensor]) -> None:
-    spec = None if param is None else shard_spec(param)
+    spec = getattr(param, "_zpp_spec", None)  # not shard_spec(): Dynamo traces this per read
     expected = module.__dict__["_zpp_specs"][name]
     # A model sharded on the meta device is materialized once (to_empty / materialize).
     if spec is expected and (param.device == expected.device or expected.device.type == "meta"):

@@ -41,6 +41,19 @@ def test_bucketing_merges_the_gathers_into_one_and_keeps_values(group_of_one):
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
 
 
+def test_a_bucketed_gather_reads_the_concatenated_shards_not_this_ranks_slot(group_of_one):
+    """Inductor's bucketed gather copies the shards into this rank's slot of the output (a slice
+    at rank * n: the rank in the graph) and gathers from there; ours gathers from the concatenation,
+    so the graph is the same on every rank."""
+    gm, args = _three_layers(group_of_one)
+    want = gm(*args)
+    gm = bucket_collectives(gm, context(group_of_one))
+    (gather,) = (n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor_out.default)
+    assert gather.args[0].target is torch.ops.aten.cat.default
+    assert torch.ops.aten.copy_.default not in {n.target for n in gm.graph.nodes}
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+
+
 def test_gather_bucket_cap_splits_buckets_and_zero_turns_bucketing_off(group_of_one):
     gm, _ = _three_layers(group_of_one)
     two_weights = 2 * 64 * 64 * 4

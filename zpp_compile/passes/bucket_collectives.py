@@ -8,6 +8,9 @@ size cap, and rewrite each group into one collective on a concatenated buffer. I
 block (buckets.cuts_at_blocks) a bucket never spans two repeated blocks (buckets.py says why).
 Before:  a = wait(all_gather(x, 4, g)); b = wait(all_gather(y, 4, g))
 After:   ab = wait(all_gather(cat(x, y), 4, g)); a, b = the per-rank slices of ab, copied out
+A merged gather takes the concatenation as its input, not this rank's slot of its output buffer
+(Inductor's form, copy_(slot, cat) then all_gather(slot, out=buffer), puts the rank's offset into
+the graph): so every rank's graph is the same, and a host compiles it once (compile_sharing).
 qgZ's all-to-alls are bucketed by qgz itself (Inductor does not bucket all-to-all).
 Caps: Config.gather_bucket_bytes and Config.reduce_bucket_bytes; 0 turns either off.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import torch
 import torch.fx as fx
 from torch._inductor.fx_passes.bucketing import (
     bucket_key,
@@ -29,9 +33,10 @@ from torch._inductor.fx_passes.bucketing import (
 
 from .buckets import blocks_of
 from .context import PassContext
-from .graph_utils import COLLECTIVE_STARTS, calls, finish, random_nodes, stable_topological_sort
+from .graph_utils import COLLECTIVE_STARTS, calls, finish, is_call, random_nodes, stable_topological_sort
 
 log = logging.getLogger(__name__)
+aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 
 _MIB = 2**20
 
@@ -47,6 +52,7 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         buckets = _buckets(gm, is_kind, cap, ctx) if cap else []
         if buckets:
             merge(gm, buckets, "default")
+    _gather_from_concatenation(gm)
     after = _count(gm)
     if after == before:
         log.debug("bucket_collectives: %s: nothing to merge; graph unchanged", ctx.label)
@@ -65,6 +71,22 @@ def _buckets(gm: fx.GraphModule, is_kind: Callable[[fx.Node], bool], cap: int, c
     return greedy_bucket_collective_by_mb(
         gm, lambda _: cap / _MIB, is_kind, lambda node: (bucket_key(node, "default"), block_of(node))
     )
+
+
+def _gather_from_concatenation(gm: fx.GraphModule) -> None:
+    """all_gather_out(copy_(slice(out, rank*n, ...), cat), out=out) -> all_gather_out(cat, out=out):
+    the collective copies the input into this rank's slot itself."""
+    for gather in calls(gm.graph, c10d.all_gather_into_tensor_out.default):
+        copied, out = gather.args[0], gather.kwargs.get("out")
+        if not (is_call(copied, aten.copy_.default) and len(copied.users) == 1):
+            continue
+        slot, concatenated = copied.args[:2]
+        same_dtype = concatenated.meta["val"].dtype == out.meta["val"].dtype  # copy_ may cast as well
+        if is_call(slot, aten.slice.Tensor) and slot.args[0] is out and same_dtype:
+            gather.replace_input_with(copied, concatenated)
+            gm.graph.erase_node(copied)
+            if not slot.users:
+                gm.graph.erase_node(slot)
 
 
 def _count(gm: fx.GraphModule) -> int:

@@ -1,0 +1,131 @@
+"""The ranks of one host compile each distinct Inductor region once between them
+(Config.share_compiles, on by default).
+
+Every rank compiles the same regions: the graphs are the same on every rank, down to shapes and
+code. Left alone, every rank of a host would generate and build every kernel itself, all at the
+same moment, on the host's shared cores. Where the ranks also share the Inductor cache directory
+(Inductor's default on one host: one per user under the temporary folder; or the same
+TORCHINDUCTOR_CACHE_DIR), that is wasted work: a region one rank compiled is an FX-graph cache hit
+for the others.
+
+So a rank about to compile a region first takes a file lock named by the region's digest (its
+code and its inputs' shapes, strides, dtypes and devices) in the cache directory, without
+waiting. If it gets the lock it compiles the region, which puts it in the FX-graph cache, and
+lets the lock go. If another rank holds it, the region waits until this rank has compiled all
+the others it could take; then the rank takes the lock, waiting this time, and compiles the
+region: a cache hit. Regions go largest first, so the ranks of a host share the work as it comes.
+
+No collective: ranks that compile different graphs (a rank-dependent shape recompiles one rank
+only), or a rank alone in its cache, never wait on each other, and the training collectives can
+never pair with these. The operating system releases a dead rank's locks (flock); a lock held
+longer than the Config's collective timeout (30 min without one) is given up and the region
+compiled anyway. A region another rank compiled that still misses the cache (a cache key that
+differs where the digest does not) is compiled here, and logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Optional
+
+from filelock import FileLock, Timeout
+
+from .compile_timing import fx_graph_cache_counts
+from .inductor_regions import RegionCompile, compile_each
+from .process_state import register_reset
+
+log = logging.getLogger(__name__)
+
+# Waiting for another rank's compile of a region without a Config.collective_timeout_s.
+DEFAULT_WAIT_S = 1800.0
+LOCK_FOLDER = "zpp_compile_regions"
+
+
+@dataclasses.dataclass
+class _Counts:
+    compiled: int = 0  # regions this rank compiled first (no other rank held the region's lock)
+    misses: int = 0  # FX-graph cache misses among all the regions this rank compiled
+    from_peers: int = 0  # regions it waited for while another rank compiled them
+    peer_misses: int = 0  # of those, the ones that still missed the cache here
+
+
+_COUNTS = _Counts()
+
+
+@register_reset
+def _reset() -> None:
+    global _COUNTS
+    _COUNTS = _Counts()
+
+
+def counts() -> dict[str, int]:
+    """This process's regions so far (see _Counts): compiled first here, FX-graph cache misses,
+    waited for while another rank compiled them, and how many of those missed the cache anyway."""
+    return dataclasses.asdict(_COUNTS)
+
+
+def lock_folder() -> Optional[str]:
+    """Where the region locks are: a folder of the Inductor cache directory; None where Inductor's
+    local FX-graph cache is off (nothing another rank compiles would reach this one)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    if not inductor_config.fx_graph_cache or inductor_config.force_disable_caches:
+        return None
+    return os.path.join(cache_dir(), LOCK_FOLDER)
+
+
+def run_compiles(jobs: list[RegionCompile], timeout_s: Optional[float] = None) -> None:
+    """Compile every job (one distinct region of a graph), skipping ahead past the regions another
+    rank sharing this cache directory is compiling, then compiling those: cache hits."""
+    folder = lock_folder()
+    if folder is None:
+        compile_each(jobs)
+        return
+    os.makedirs(folder, exist_ok=True)
+    misses = fx_graph_cache_counts()[1]
+    compile_each([job for job in jobs if job.digest is None])  # not comparable: compiled here
+    waiting = []
+    for job in sorted((job for job in jobs if job.digest is not None), key=lambda job: -job.size):
+        lock = FileLock(os.path.join(folder, f"{job.digest}.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            waiting.append((job, lock))
+            continue
+        _compile_holding(job, lock)
+        _COUNTS.compiled += 1
+    _COUNTS.misses += fx_graph_cache_counts()[1] - misses
+    _compile_after_peers(waiting, DEFAULT_WAIT_S if timeout_s is None else min(timeout_s, DEFAULT_WAIT_S))
+
+
+def _compile_holding(job: RegionCompile, lock: FileLock) -> None:
+    try:
+        job.compile()
+    finally:  # also when the compile raises: the other ranks then compile it themselves
+        lock.release()
+
+
+def _compile_after_peers(waiting: list[tuple[RegionCompile, FileLock]], wait_s: float) -> None:
+    misses = fx_graph_cache_counts()[1]
+    for job, lock in waiting:
+        try:
+            lock.acquire(timeout=wait_s)
+        except Timeout:
+            log.warning(
+                "zpp_compile: another rank held region %s for over %.0f s; compiling it here", job.digest, wait_s
+            )
+            job.compile()
+            continue
+        _compile_holding(job, lock)
+    missed = fx_graph_cache_counts()[1] - misses
+    _COUNTS.from_peers += len(waiting)
+    _COUNTS.peer_misses += missed
+    _COUNTS.misses += missed
+    if missed:
+        log.warning(
+            "zpp_compile: %d regions another rank compiled missed this rank's Inductor cache and were compiled again",
+            missed,
+        )
