@@ -35,3 +35,20 @@ def test_dynamo_gives_up_no_frame_of_a_sharded_model(group_of_one):
         reset_process_state()
     assert unsharded["total"] == unsharded["ok"], unsharded
     assert sharded["total"] == sharded["ok"] > 0, sharded
+
+
+def test_a_sharded_torch_nn_module_compiled_by_itself_is_compiled(group_of_one):
+    """Dynamo never traces torch.nn's own forwards as frames: for a sharded nn.Linear the forward
+    wrapper is the frame it compiles (one graph, not an eager gather)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(2, 8)
+    want = layer(x)
+    try:
+        model = zpp_compile.shard(layer, zpp_compile.Config(lowering="aot_eager"))
+        got = torch.compile(model, backend="zeropp")(x)
+        graphs = len(zpp_compile.compiled_graphs())
+    finally:
+        reset_process_state()
+    assert graphs == 1
+    torch.testing.assert_close(got, want)

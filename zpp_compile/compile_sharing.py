@@ -19,8 +19,10 @@ No collective: ranks that compile different graphs (a rank-dependent shape recom
 only), or a rank alone in its cache, never wait on each other, and the training collectives can
 never pair with these. The operating system releases a dead rank's locks (flock); a lock held
 longer than the Config's collective timeout (30 min without one) is given up and the region
-compiled anyway. A region another rank compiled that still misses the cache (a cache key that
-differs where the digest does not) is compiled here, and logged.
+compiled anyway; a file system whose locks fail (some network or FUSE mounts) makes each rank
+compile alone, logged once. A region another rank compiled that still misses the cache (a cache
+key that differs where the digest does not) is compiled here, and logged. On a host with one GPU
+per rank the regions differ by device index (Inductor keys on it): each rank compiles its own.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ LOCK_FOLDER = "zpp_compile_regions"
 
 @dataclasses.dataclass
 class _Counts:
-    compiled: int = 0  # regions this rank compiled first (no other rank held the region's lock)
-    misses: int = 0  # FX-graph cache misses among all the regions this rank compiled
+    compiled: int = 0  # regions this rank compiled without waiting (its own, or no lock to take)
+    misses: int = 0  # FX-graph cache misses and bypasses among all the regions this rank compiled
     from_peers: int = 0  # regions it waited for while another rank compiled them
-    peer_misses: int = 0  # of those, the ones that still missed the cache here
+    peer_misses: int = 0  # of those, the ones that missed (or bypassed) the cache here anyway
+    gave_up: int = 0  # regions whose lock another rank held past the wait: compiled here regardless
 
 
 _COUNTS = _Counts()
@@ -61,8 +64,9 @@ def _reset() -> None:
 
 
 def counts() -> dict[str, int]:
-    """This process's regions so far (see _Counts): compiled first here, FX-graph cache misses,
-    waited for while another rank compiled them, and how many of those missed the cache anyway."""
+    """This process's regions so far (see _Counts): compiled without waiting, FX-graph cache
+    misses, waited for while another rank compiled them, how many of those missed the cache
+    anyway, and how many were compiled here after the wait ran out."""
     return dataclasses.asdict(_COUNTS)
 
 
@@ -80,25 +84,65 @@ def lock_folder() -> Optional[str]:
 def run_compiles(jobs: list[RegionCompile], timeout_s: Optional[float] = None) -> None:
     """Compile every job (one distinct region of a graph), skipping ahead past the regions another
     rank sharing this cache directory is compiling, then compiling those: cache hits."""
+    folder = _usable_lock_folder()
+    before = _uncached()
+    lockable = [job for job in jobs if folder is not None and job.digest is not None]
+    _compile_all([job for job in jobs if job not in lockable])
+    waiting = []
+    for job in sorted(lockable, key=lambda job: -job.size):
+        lock = FileLock(os.path.join(folder, f"{job.digest}.lock"), fallback_to_soft=False)
+        if _try_lock(lock, 0):
+            _compile_holding(job, lock)
+            _COUNTS.compiled += 1
+        else:
+            waiting.append((job, lock))
+    _COUNTS.misses += _uncached() - before
+    _compile_after_peers(waiting, DEFAULT_WAIT_S if timeout_s is None else min(timeout_s, DEFAULT_WAIT_S))
+
+
+def _uncached() -> int:
+    """FX-graph cache lookups so far that did not find a compiled graph (misses and bypasses)."""
+    _, misses, bypasses = fx_graph_cache_counts()
+    return misses + bypasses
+
+
+def _usable_lock_folder() -> Optional[str]:
     folder = lock_folder()
     if folder is None:
-        compile_each(jobs)
-        return
-    os.makedirs(folder, exist_ok=True)
-    misses = fx_graph_cache_counts()[1]
-    compile_each([job for job in jobs if job.digest is None])  # not comparable: compiled here
-    waiting = []
-    for job in sorted((job for job in jobs if job.digest is not None), key=lambda job: -job.size):
-        lock = FileLock(os.path.join(folder, f"{job.digest}.lock"))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            waiting.append((job, lock))
-            continue
-        _compile_holding(job, lock)
-        _COUNTS.compiled += 1
-    _COUNTS.misses += fx_graph_cache_counts()[1] - misses
-    _compile_after_peers(waiting, DEFAULT_WAIT_S if timeout_s is None else min(timeout_s, DEFAULT_WAIT_S))
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        _warn_unlockable(folder, error)
+        return None
+    return folder
+
+
+def _try_lock(lock: FileLock, wait_s: float) -> bool:
+    """Whether `lock` was taken within wait_s; a file system without working locks (an error other
+    than the lock being held) counts as taken, so the region is compiled here, unshared."""
+    try:
+        lock.acquire(timeout=wait_s)
+    except Timeout:
+        return False
+    except OSError as error:  # nothing taken: release() is then a no-op
+        _warn_unlockable(lock.lock_file, error)
+    return True
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_unlockable(path: str, error: OSError) -> None:
+    folder = os.path.dirname(path) if path.endswith(".lock") else path
+    if folder not in _WARNED:
+        _WARNED.add(folder)
+        log.warning("zpp_compile: cannot lock files in %s (%s): each rank compiles its regions itself", folder, error)
+
+
+def _compile_all(jobs: list[RegionCompile]) -> None:
+    compile_each(jobs)
+    _COUNTS.compiled += len(jobs)
 
 
 def _compile_holding(job: RegionCompile, lock: FileLock) -> None:
@@ -109,23 +153,23 @@ def _compile_holding(job: RegionCompile, lock: FileLock) -> None:
 
 
 def _compile_after_peers(waiting: list[tuple[RegionCompile, FileLock]], wait_s: float) -> None:
-    misses = fx_graph_cache_counts()[1]
+    before = _uncached()
     for job, lock in waiting:
-        try:
-            lock.acquire(timeout=wait_s)
-        except Timeout:
+        if _try_lock(lock, wait_s):
+            _compile_holding(job, lock)
+            _COUNTS.from_peers += 1
+        else:
             log.warning(
                 "zpp_compile: another rank held region %s for over %.0f s; compiling it here", job.digest, wait_s
             )
             job.compile()
-            continue
-        _compile_holding(job, lock)
-    missed = fx_graph_cache_counts()[1] - misses
-    _COUNTS.from_peers += len(waiting)
+            _COUNTS.gave_up += 1
+    missed = _uncached() - before
     _COUNTS.peer_misses += missed
     _COUNTS.misses += missed
     if missed:
         log.warning(
-            "zpp_compile: %d regions another rank compiled missed this rank's Inductor cache and were compiled again",
+            "zpp_compile: %d regions another rank compiled were not in this rank's Inductor cache "
+            "(a miss or a bypass) and were compiled again",
             missed,
         )

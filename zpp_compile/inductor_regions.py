@@ -227,7 +227,7 @@ def compile_regions(
             continue
         key = _reuse_key(region)
         if key is None or key not in jobs:
-            digest = None if key is None else hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+            digest = None if key is None else _digest(key, compile_region)
             fake_inputs = [i.meta["val"] for i in region.inputs]
             size = len(region.graph.graph.nodes)
             jobs[key or index] = RegionCompile(digest, size, region.graph, fake_inputs, compile_region)
@@ -243,6 +243,13 @@ def compile_regions(
 
     run_graph._boxed_call = True  # type: ignore[attr-defined]
     return run_graph
+
+
+def _digest(key: tuple, compile_region: CompileRegion) -> str:
+    """The reuse key and how the region is compiled (forward or backward: Inductor keys on it),
+    hashed: equal on every rank (and process) whose region is the same."""
+    how = sorted(getattr(compile_region, "keywords", {}).items())
+    return hashlib.sha256(repr((key, how)).encode()).hexdigest()[:32]
 
 
 def _reuse_key(region: Region) -> Optional[tuple]:

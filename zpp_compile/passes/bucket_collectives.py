@@ -81,12 +81,19 @@ def _gather_from_concatenation(gm: fx.GraphModule) -> None:
         if not (is_call(copied, aten.copy_.default) and len(copied.users) == 1):
             continue
         slot, concatenated = copied.args[:2]
-        same_dtype = concatenated.meta["val"].dtype == out.meta["val"].dtype  # copy_ may cast as well
-        if is_call(slot, aten.slice.Tensor) and slot.args[0] is out and same_dtype:
+        if _is_plain_copy_into_slot_of(out, slot, concatenated):
             gather.replace_input_with(copied, concatenated)
             gm.graph.erase_node(copied)
-            if not slot.users:
-                gm.graph.erase_node(slot)
+            gm.graph.erase_node(slot)
+
+
+def _is_plain_copy_into_slot_of(out: fx.Node, slot: fx.Node, source: fx.Node) -> bool:
+    """slot is a slice of `out` read by nothing but the copy, and the copy neither casts nor
+    broadcasts `source`."""
+    if not (is_call(slot, aten.slice.Tensor) and slot.args[0] is out and len(slot.users) == 1):
+        return False
+    into, value = slot.meta["val"], source.meta["val"]
+    return into.dtype == value.dtype and into.shape == value.shape
 
 
 def _count(gm: fx.GraphModule) -> int:
