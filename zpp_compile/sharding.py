@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import types
 import warnings
 from typing import Iterator, Optional
 
@@ -423,15 +422,6 @@ def _counting_forwards(forward):
         finally:
             _FORWARD.depth -= 1
 
-    if getattr(forward, "__module__", "").startswith("torch.nn"):
-        # Dynamo never traces torch.nn's forwards as frames: for them the wrapper stays the frame
-        # it compiles, so it gets a code object of its own, which _never_a_frame_of_its_own leaves
-        # alone (a sharded nn.Linear compiled by itself, an embedding called from an eager frame).
-        own_code = types.FunctionType(
-            counted_forward.__code__.replace(), counted_forward.__globals__, counted_forward.__name__,
-            counted_forward.__defaults__, counted_forward.__closure__,
-        )  # fmt: skip
-        return functools.update_wrapper(own_code, forward)
     return counted_forward
 
 
@@ -505,8 +495,10 @@ def _never_a_frame_of_its_own() -> None:
     # runs as plain Python and the forward it wraps is the frame Dynamo traces. Traced, its
     # try/finally makes any graph break below it one Dynamo cannot resume from: Dynamo traced the
     # whole model once more only to give the frame up (Hugging Face models break on their logging).
+    # Where the wrapped forward is torch.nn's own (which Dynamo never traces as a frame: a sharded
+    # nn.Linear compiled alone, or called from a frame Dynamo gave up), the module runs eagerly.
     skip_this_frame_only = FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT)
-    set_code_exec_strategy(_counting_forwards(lambda self: None).__code__, skip_this_frame_only)
+    set_code_exec_strategy(_counting_forwards(nn.Module.forward).__code__, skip_this_frame_only)
 
 
 _never_a_frame_of_its_own()
