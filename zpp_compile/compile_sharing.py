@@ -86,8 +86,8 @@ def run_compiles(jobs: list[RegionCompile], timeout_s: Optional[float] = None) -
     rank sharing this cache directory is compiling, then compiling those: cache hits."""
     folder = _usable_lock_folder()
     before = _uncached()
-    lockable = [job for job in jobs if folder is not None and job.digest is not None]
-    _compile_all([job for job in jobs if job not in lockable])
+    lockable = [job for job in jobs if job.digest is not None] if folder is not None else []
+    _compile_all([job for job in jobs if job.digest is None or folder is None])
     waiting = []
     for job in sorted(lockable, key=lambda job: -job.size):
         lock = FileLock(os.path.join(folder, f"{job.digest}.lock"), fallback_to_soft=False)
@@ -96,8 +96,8 @@ def run_compiles(jobs: list[RegionCompile], timeout_s: Optional[float] = None) -
             _COUNTS.compiled += 1
         else:
             waiting.append((job, lock))
-    _COUNTS.misses += _uncached() - before
     _compile_after_peers(waiting, DEFAULT_WAIT_S if timeout_s is None else min(timeout_s, DEFAULT_WAIT_S))
+    _COUNTS.misses += _uncached() - before
 
 
 def _uncached() -> int:
@@ -126,15 +126,14 @@ def _try_lock(lock: FileLock, wait_s: float) -> bool:
     except Timeout:
         return False
     except OSError as error:  # nothing taken: release() is then a no-op
-        _warn_unlockable(lock.lock_file, error)
+        _warn_unlockable(os.path.dirname(lock.lock_file), error)
     return True
 
 
 _WARNED: set[str] = set()
 
 
-def _warn_unlockable(path: str, error: OSError) -> None:
-    folder = os.path.dirname(path) if path.endswith(".lock") else path
+def _warn_unlockable(folder: str, error: OSError) -> None:
     if folder not in _WARNED:
         _WARNED.add(folder)
         log.warning("zpp_compile: cannot lock files in %s (%s): each rank compiles its regions itself", folder, error)
@@ -166,7 +165,6 @@ def _compile_after_peers(waiting: list[tuple[RegionCompile, FileLock]], wait_s: 
             _COUNTS.gave_up += 1
     missed = _uncached() - before
     _COUNTS.peer_misses += missed
-    _COUNTS.misses += missed
     if missed:
         log.warning(
             "zpp_compile: %d regions another rank compiled were not in this rank's Inductor cache "
