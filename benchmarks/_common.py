@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -60,14 +60,14 @@ def benchmark_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def run_workers(script: str, nproc: int, worker_args: list[str]) -> list[dict]:
-    """Run `script --worker --out FILE *worker_args` on nproc CPU processes under torchrun and
-    return what rank 0 wrote to FILE (JSON)."""
+def run_workers(script: str, nproc: int, worker_args: list[str], env: Optional[dict[str, str]] = None) -> list[dict]:
+    """Run `script --worker --out FILE *worker_args` on nproc CPU processes under torchrun (with
+    `env` added to the environment) and return what rank 0 wrote to FILE (JSON)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                script, "--worker", "--out", out, *worker_args]  # fmt: skip
-        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
         return json.loads(Path(out).read_text())
 
 

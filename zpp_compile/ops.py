@@ -170,7 +170,9 @@ def _eager_all_gather(shard: Tensor, group_size: int, group_name: str, fqn: str)
     with _explained("the eager all-gather of a parameter", group_name):
         _check_eager("all_gather", group_name, shard, fqn)
         all_gather_single(out, shard.contiguous(), group=_resolve_process_group(group_name))
-    _record_eager("all_gather", "forward", group_name, shard)
+    # In backward: regather.py gathering a weight again instead of having kept it.
+    phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    _record_eager("all_gather", phase, group_name, shard)
     return out
 
 

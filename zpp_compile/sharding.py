@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_map
 
-from . import dtensor_ops, schedule_check
+from . import dtensor_ops, regather, schedule_check
 from .agreement import agree_on_model
 from .codegen.quantize import num_blocks, quantize_packed
 from .config import Config
@@ -416,13 +416,24 @@ def _counting_forwards(forward):
 
     @functools.wraps(forward)  # keeps the signature Hugging Face's generate() inspects
     def counted_forward(self, *args, **kwargs):
+        hooks = _eager_saving_hooks()
         _FORWARD.depth += 1
         try:
-            return forward(self, *args, **kwargs)
+            if hooks is None:
+                return forward(self, *args, **kwargs)
+            with hooks:
+                return forward(self, *args, **kwargs)
         finally:
             _FORWARD.depth -= 1
 
     return counted_forward
+
+
+def _eager_saving_hooks():
+    """regather.py's hooks, around the outermost forward of an eagerly run, differentiated model."""
+    if torch.compiler.is_compiling() or _FORWARD.depth > 0 or not torch.is_grad_enabled():
+        return None
+    return regather.saving_recipes()
 
 
 # One subclass per (original class, sharded names): modules of one type share a class, which keeps
@@ -474,7 +485,12 @@ def _sharded_attribute(name: str) -> property:
         if not in_forward():
             return param  # the sharded parameter itself: local reads, writes land in the shard
         _check_still_sharded(self, name, param)
-        return gather_full(param, payload=int8_payload(self, name))
+        payload = int8_payload(self, name)
+        full = gather_full(param, payload=payload)
+        if not torch.compiler.is_compiling() and torch.is_grad_enabled():
+            if not param._zpp_state.config.save_gathered_weights:
+                regather.remember(full, functools.partial(gather_full, param, payload=payload))
+        return full
 
     return property(read, doc=f"`{name}`: all-gathered inside forward, the sharded DTensor outside it.")
 

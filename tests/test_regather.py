@@ -1,0 +1,104 @@
+"""Eager ZeRO-3 keeps no gathered weight from forward to backward (zpp_compile/regather.py)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zpp_compile
+
+from .models import batch, build, local_grad, loss_of
+
+WIDTH, DEPTH = 128, 4
+
+
+def _linear_stack() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)))
+
+
+class _GatheredWeights(TorchDispatchMode):
+    """Weak references to the storage of every weight the eager forward gathers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: list[StorageWeakRef] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.zpp.gather_param.default:
+            self.storages.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+    def live(self) -> int:
+        return sum(not s.expired() for s in self.storages)
+
+
+def eager_step(name: str, save_gathered_weights: bool, user_hooks: bool = False) -> dict:
+    """One eager forward and backward: how many gathered weights are still live after the forward
+    (the loss holds the graph), the backward's all-gathers and the gradient shards."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = _linear_stack() if name == "linears" else build(name)
+    zpp_compile.shard(model, zpp_compile.Config(save_gathered_weights=save_gathered_weights))
+    if name == "linears":
+        x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(rank))
+        forward = lambda: model(x).square().mean()  # noqa: E731
+    else:
+        x, y = batch(name, 2 * world, 0)
+        forward = lambda: loss_of(name, model, x.chunk(world)[rank], y.chunk(world)[rank])  # noqa: E731
+    packed_shapes: list[tuple[int, ...]] = []
+
+    def user_pack(t: torch.Tensor) -> torch.Tensor:
+        packed_shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(user_pack, lambda t: t) if user_hooks else contextlib.nullcontext():
+        with _GatheredWeights() as gathered:
+            loss = forward()
+    live_after_forward = gathered.live()
+    with zpp_compile.comm_counter().trace() as issued:
+        loss.backward()
+    return {
+        "gathered": len(gathered.storages),
+        "live_after_forward": live_after_forward,
+        "backward_gathers": sum(c.op == "all_gather" and c.phase == "backward" for c in issued),
+        "grads": {n: local_grad(p) for n, p in model.named_parameters() if p.requires_grad},
+        "user_packed_weights": packed_shapes.count((WIDTH, WIDTH)),
+    }
+
+
+def test_the_backward_gathers_again_instead_of_keeping_the_forwards_weights(pools):
+    regathered, kept = (pools(2).run(eager_step, "linears", save) for save in (False, True))
+    for rank in range(2):
+        # Kept, the weights of the layers after the first stay gathered from forward to backward
+        # (addmm saves a weight for its input's gradient, and no bias); regathered, none does.
+        assert (regathered[rank]["gathered"], kept[rank]["gathered"]) == (2 * DEPTH, 2 * DEPTH)
+        assert (regathered[rank]["live_after_forward"], kept[rank]["live_after_forward"]) == (0, DEPTH - 1)
+        assert (regathered[rank]["backward_gathers"], kept[rank]["backward_gathers"]) == (DEPTH - 1, 0)
+        for name, grad in kept[rank]["grads"].items():
+            assert torch.equal(regathered[rank]["grads"][name], grad), name
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2_dropout", "hf_llama"])
+def test_regathered_weights_give_the_kept_weights_gradients_on_models_we_did_not_write(pools, name):
+    # GPT-2 ties lm_head to the embedding and drops out (the seed is the same in both runs); Llama's
+    # nn.Linear saves a transposed view of the weight.
+    regathered, kept = (pools(2).run(eager_step, name, save) for save in (False, True))
+    for rank in range(2):
+        assert regathered[rank]["live_after_forward"] == 0 < kept[rank]["live_after_forward"]
+        assert regathered[rank]["backward_gathers"] == kept[rank]["live_after_forward"]
+        for param, grad in kept[rank]["grads"].items():
+            assert torch.equal(regathered[rank]["grads"][param], grad), param
+
+
+def test_the_users_own_saved_tensor_hooks_stay_in_charge(pools):
+    # Activation offloading or a user's hooks around the model see the weights as before.
+    results = pools(2).run(eager_step, "linears", False, True)
+    assert all(r["user_packed_weights"] == DEPTH - 1 and r["backward_gathers"] == 0 for r in results)
