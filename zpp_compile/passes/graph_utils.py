@@ -221,13 +221,13 @@ def inline_traced(graph: fx.Graph, fn: Callable, node_args: list[fx.Node], decom
     fake_args = [n.meta["val"] for n in node_args]
     fake_mode = detect_fake_mode(fake_args)
     traced, reused = cached_trace(
-        fn, fake_args, fake_mode, decompositions, lambda: _trace(fn, fake_args, fake_mode, decompositions)
+        fn, fake_args, fake_mode, decompositions, lambda: _trace(fn, fake_args, fake_mode, decompositions).graph
     )
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in traced.nodes if n.op == "placeholder"]
     copied: dict[fx.Node, fx.Node] = dict(zip(placeholders, node_args))
-    out = graph.graph_copy(traced.graph, copied)
+    out = graph.graph_copy(traced, copied)
     if reused:
-        _fresh_fake_values([copied[n] for n in traced.graph.nodes if n.op == "call_function"], fake_mode)
+        _fresh_fake_values([copied[n] for n in traced.nodes if n.op == "call_function"], fake_mode)
     return out
 
 

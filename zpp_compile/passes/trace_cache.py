@@ -41,10 +41,10 @@ _IN_MEMORY: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def cached_trace(
-    fn: Callable, fake_args: list, fake_mode: Any, decompositions: Optional[dict], trace: Callable[[], fx.GraphModule]
-) -> tuple[fx.GraphModule, bool]:
-    """The trace of fn on fake_args, and whether it was traced before (in this compile; a copy of it
-    then needs fake values of its own). `trace()` makes it where no cache has it."""
+    fn: Callable, fake_args: list, fake_mode: Any, decompositions: Optional[dict], trace: Callable[[], fx.Graph]
+) -> tuple[fx.Graph, bool]:
+    """The traced graph of fn on fake_args, and whether it was traced before (in this compile; a
+    copy of it then needs fake values of its own). `trace()` makes it where no cache has it."""
     key = _trace_key(fn, fake_args, decompositions)
     if key is None:
         return trace(), False
@@ -52,13 +52,13 @@ def cached_trace(
     if key in in_memory:
         return in_memory[key], True
     path = _path_of(key, fake_args)
-    gm = _load(path, fake_args, fake_mode) if path is not None else None
-    if gm is None:
-        gm = trace()
+    graph = _load(path, fake_args, fake_mode) if path is not None else None
+    if graph is None:
+        graph = trace()
         if path is not None:
-            _store(gm, path)
-    in_memory[key] = gm
-    return gm, False
+            _store(graph, path)
+    in_memory[key] = graph
+    return graph, False
 
 
 def _trace_key(fn: Callable, fake_args: list, decompositions: Optional[dict]) -> Optional[tuple]:
@@ -98,9 +98,9 @@ class _NotKept(Exception):
     """A trace with something JSON cannot carry back (see the module docstring)."""
 
 
-def _store(gm: fx.GraphModule, path: str) -> None:
+def _store(graph: fx.Graph, path: str) -> None:
     try:
-        text = json.dumps([_encode_node(node) for node in gm.graph.nodes])
+        text = json.dumps([_encode_node(node) for node in graph.nodes])
     except _NotKept as why:
         log.debug("trace not kept (%s)", why)
         return
@@ -114,32 +114,32 @@ def _store(gm: fx.GraphModule, path: str) -> None:
         log.debug("trace not kept: %s", err)
 
 
-def _load(path: str, fake_args: list, fake_mode: Any) -> Optional[fx.GraphModule]:
+def _load(path: str, fake_args: list, fake_mode: Any) -> Optional[fx.Graph]:
     try:
         with open(path) as f:
             nodes = json.load(f)
     except (OSError, ValueError):
         return None
     try:
-        gm = fx.GraphModule(torch.nn.Module(), _decode_graph(nodes))
+        graph = _decode_graph(nodes)
     except (KeyError, AttributeError, TypeError, ValueError, RuntimeError) as err:
         log.warning("zpp_compile: ignoring an unreadable trace %s (%s); tracing again", path, err)
         return None
-    _give_fake_values(gm, fake_args, fake_mode)
-    return gm
+    _give_fake_values(graph, fake_args, fake_mode)
+    return graph
 
 
-def _give_fake_values(gm: fx.GraphModule, fake_args: list, fake_mode: Any) -> None:
+def _give_fake_values(graph: fx.Graph, fake_args: list, fake_mode: Any) -> None:
     """meta["val"] and ["tensor_meta"] on every node, as make_fx leaves them."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, fake_args):
         node.meta["val"] = value
     with fake_mode:
-        for node in gm.graph.nodes:
+        for node in graph.nodes:
             if node.op == "call_function":
                 args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
                 node.meta["val"] = node.target(*args, **kwargs)
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if isinstance(node.meta.get("val"), torch.Tensor):
             node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
 
