@@ -34,6 +34,7 @@ from typing import Optional
 
 from filelock import FileLock, Timeout
 
+from .cache_folders import cache_folder
 from .compile_timing import fx_graph_cache_counts
 from .inductor_regions import RegionCompile, compile_each
 from .process_state import register_reset
@@ -73,12 +74,7 @@ def counts() -> dict[str, int]:
 def lock_folder() -> Optional[str]:
     """Where the region locks are: a folder of the Inductor cache directory; None where Inductor's
     local FX-graph cache is off (nothing another rank compiles would reach this one)."""
-    import torch._inductor.config as inductor_config
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    if not inductor_config.fx_graph_cache or inductor_config.force_disable_caches:
-        return None
-    return os.path.join(cache_dir(), LOCK_FOLDER)
+    return cache_folder(LOCK_FOLDER)
 
 
 def run_compiles(jobs: list[RegionCompile], timeout_s: Optional[float] = None) -> None:

@@ -55,3 +55,19 @@ def test_mixed_precision_casts_the_shard_before_the_wire(group_of_one):
     assert gather.args[0].target == torch.ops.prims.convert_element_type.default
     assert gather.args[0].meta["val"].dtype == torch.bfloat16, "the all-gather must carry bf16, not fp32"
     assert torch.equal(gm(shard), shard.to(torch.bfloat16).view(3, 2))
+
+
+def test_a_pipeline_regenerates_the_code_once_and_it_runs_the_rewritten_graph(group_of_one, monkeypatch):
+    from zpp_compile.passes import FORWARD_PASSES, run_passes
+
+    from .helpers import gathering_layers
+
+    gm, args = gathering_layers(group_of_one)
+    expected = gm(*args)
+    recompiles = []
+    real = type(gm).recompile
+    monkeypatch.setattr(type(gm), "recompile", lambda self: recompiles.append(self) or real(self))
+    gm = run_passes(gm, context(group_of_one), FORWARD_PASSES)
+    assert len(recompiles) == 1  # not once per pass that rewrote the graph
+    assert gm.code == gm.graph.python_code("self").src
+    torch.testing.assert_close(gm(*args), expected)

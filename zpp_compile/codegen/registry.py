@@ -37,12 +37,14 @@ class QuantKernels:
     """qwZ's two int8 kernels (shard -> packed payload; all ranks' payloads -> full flat weight)
     and qgZ's three int4 stage kernels (see int4.py)."""
 
+    # The name says which functions the set holds: it alone is the repr, which keys traces
+    # (passes/trace_cache.py; a function's repr carries its address).
     name: str
-    quantize_packed: QuantizePacked
-    dequantize_packed: DequantizePacked
-    int4_quantize_swizzled: Int4QuantizeSwizzled
-    int4_dequantize_reduce_requantize: Int4DequantizeReduceRequantize
-    int4_dequantize_reduce: Int4DequantizeReduce
+    quantize_packed: QuantizePacked = dataclasses.field(repr=False)
+    dequantize_packed: DequantizePacked = dataclasses.field(repr=False)
+    int4_quantize_swizzled: Int4QuantizeSwizzled = dataclasses.field(repr=False)
+    int4_dequantize_reduce_requantize: Int4DequantizeReduceRequantize = dataclasses.field(repr=False)
+    int4_dequantize_reduce: Int4DequantizeReduce = dataclasses.field(repr=False)
 
 
 def quant_kernels(device: torch.device | str) -> QuantKernels:

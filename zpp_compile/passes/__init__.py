@@ -13,6 +13,7 @@ from .bucket_collectives import bucket_collectives
 from .buckets import cuts_at_blocks
 from .context import PassContext
 from .dedupe_gathers import dedupe_gathers
+from .graph_utils import deferred_recompile
 from .hpz import hpz
 from .lower_gather import lower_gather
 from .lower_quantized_gather import lower_quantized_gather
@@ -55,10 +56,13 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[GraphPass]) ->
     """Apply `passes` in order, timing each (stage "<phase>/<pass>") and dumping the graph before
     the first and after each one."""
     ctx.dump(gm, "input")
-    for graph_pass in passes:
-        with ctx.stage_seconds.timed(f"{ctx.phase}/{graph_pass.__name__}"):
-            gm = graph_pass(gm, ctx)
-        ctx.dump(gm, graph_pass.__name__)
+    with deferred_recompile():
+        for graph_pass in passes:
+            with ctx.stage_seconds.timed(f"{ctx.phase}/{graph_pass.__name__}"):
+                gm = graph_pass(gm, ctx)
+            ctx.dump(gm, graph_pass.__name__)
+    with ctx.stage_seconds.timed(f"{ctx.phase}/recompile"):
+        gm.recompile()
     return gm
 
 
@@ -67,11 +71,15 @@ def run_partition_passes(
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Apply PARTITION_PASSES, timing each and dumping both graphs after each (dump stages
     "<pass>_forward/_backward")."""
-    for partition_pass in PARTITION_PASSES:
-        with ctx.stage_seconds.timed(f"{ctx.phase}/{partition_pass.__name__}"):
-            fw_gm, bw_gm = partition_pass(fw_gm, bw_gm, ctx)
-        ctx.dump(fw_gm, f"{partition_pass.__name__}_forward")
-        ctx.dump(bw_gm, f"{partition_pass.__name__}_backward")
+    with deferred_recompile():
+        for partition_pass in PARTITION_PASSES:
+            with ctx.stage_seconds.timed(f"{ctx.phase}/{partition_pass.__name__}"):
+                fw_gm, bw_gm = partition_pass(fw_gm, bw_gm, ctx)
+            ctx.dump(fw_gm, f"{partition_pass.__name__}_forward")
+            ctx.dump(bw_gm, f"{partition_pass.__name__}_backward")
+    with ctx.stage_seconds.timed(f"{ctx.phase}/recompile"):
+        fw_gm.recompile()
+        bw_gm.recompile()
     return fw_gm, bw_gm
 
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import contextvars
 import logging
-import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map_only
+
+from .trace_cache import cached_trace
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -150,9 +152,26 @@ def replace_node(old: fx.Node, new: fx.Node) -> None:
 
 
 def finish(gm: fx.GraphModule) -> fx.GraphModule:
+    """Check the rewritten graph, and regenerate gm's code unless a pipeline will do it once at its
+    end (recompiling a model-sized graph after every pass cost seconds per compile)."""
     gm.graph.lint()
-    gm.recompile()
+    if not _recompile_deferred.get():
+        gm.recompile()
     return gm
+
+
+_recompile_deferred: contextvars.ContextVar[bool] = contextvars.ContextVar("zpp_recompile_deferred", default=False)
+
+
+@contextlib.contextmanager
+def deferred_recompile() -> Iterator[None]:
+    """Inside, finish() leaves gm's code stale: the pipeline recompiles once at its end.
+    (gm.print_readable, which the graph dumps use, reads the graph, not the code.)"""
+    token = _recompile_deferred.set(True)
+    try:
+        yield
+    finally:
+        _recompile_deferred.reset(token)
 
 
 def rewrite_calls(
@@ -195,29 +214,21 @@ def inline_traced(graph: fx.Graph, fn: Callable, node_args: list[fx.Node], decom
     triton_kernel_wrapper_functional, the form Inductor schedules as a user Triton kernel.
 
     A trace is reused for the same `fn` (a functools.partial compared by its arguments) on inputs
-    of the same shapes in the same fake mode: the parameters of repeated blocks trace once, and
-    each copy gets fake values of its own (passes and Inductor tell tensors apart by them).
+    of the same shapes (trace_cache.py: within the compile, and across processes through the
+    cache folder): the parameters of repeated blocks trace once, and each copy gets fake values
+    of its own (passes and Inductor tell tensors apart by them).
     """
     fake_args = [n.meta["val"] for n in node_args]
     fake_mode = detect_fake_mode(fake_args)
-    traces = _TRACES.setdefault(fake_mode, {}) if fake_mode is not None else {}
-    key = _trace_key(fn, fake_args, decompositions)
-    traced = traces.get(key) if key is not None else None
-    reused = traced is not None
-    if traced is None:
-        traced = _trace(fn, fake_args, fake_mode, decompositions)
-        if key is not None:
-            traces[key] = traced
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    traced, reused = cached_trace(
+        fn, fake_args, fake_mode, decompositions, lambda: _trace(fn, fake_args, fake_mode, decompositions).graph
+    )
+    placeholders = [n for n in traced.nodes if n.op == "placeholder"]
     copied: dict[fx.Node, fx.Node] = dict(zip(placeholders, node_args))
-    out = graph.graph_copy(traced.graph, copied)
+    out = graph.graph_copy(traced, copied)
     if reused:
-        _fresh_fake_values([copied[n] for n in traced.graph.nodes if n.op == "call_function"], fake_mode)
+        _fresh_fake_values([copied[n] for n in traced.nodes if n.op == "call_function"], fake_mode)
     return out
-
-
-# Traces by fake mode (one per compiled Dynamo graph): gone with the graph's compile.
-_TRACES: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def _trace(fn: Callable, fake_args: list, fake_mode: Any, decompositions: dict | None) -> fx.GraphModule:
@@ -226,14 +237,6 @@ def _trace(fn: Callable, fake_args: list, fake_mode: Any, decompositions: dict |
 
     with fake_mode:
         return make_fx(dispatch_functionalize(fn), decomposition_table=decompositions or {})(*fake_args)
-
-
-def _trace_key(fn: Callable, fake_args: list, decompositions: dict | None) -> Optional[tuple]:
-    """What a trace depends on, or None where that cannot be told (not a functools.partial)."""
-    if not isinstance(fn, functools.partial):
-        return None
-    inputs = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in fake_args)
-    return fn.func, repr(fn.args), repr(sorted(fn.keywords.items())), inputs, id(decompositions)
 
 
 def _fresh_fake_values(nodes: list[fx.Node], fake_mode: Any) -> None:
