@@ -62,6 +62,7 @@ def eager_step(name: str, save_gathered_weights: bool, user_hooks: bool = False)
     with torch.autograd.graph.saved_tensors_hooks(user_pack, lambda t: t) if user_hooks else contextlib.nullcontext():
         with _GatheredWeights() as gathered:
             loss = forward()
+    dist.barrier()  # gloo holds a collective's tensors until the next one: release the last gather's
     live_after_forward = gathered.live()
     with zpp_compile.comm_counter().trace() as issued:
         loss.backward()
@@ -102,3 +103,13 @@ def test_the_users_own_saved_tensor_hooks_stay_in_charge(pools):
     # Activation offloading or a user's hooks around the model see the weights as before.
     results = pools(2).run(eager_step, "linears", False, True)
     assert all(r["user_packed_weights"] == DEPTH - 1 and r["backward_gathers"] == 0 for r in results)
+
+
+def test_an_empty_tensor_is_never_taken_for_a_gathered_weight():
+    # Every empty storage has address 0: an empty weight must not claim them.
+    from zpp_compile import regather
+
+    weight = torch.empty(0)
+    regather.remember(weight, lambda: torch.empty(0))
+    indices = torch.empty(0, dtype=torch.int64)
+    assert regather._pack(indices) is indices

@@ -29,6 +29,7 @@ TESTED_TORCH_VERSIONS = ("2.13.0",)
 PRIVATE_APIS: Mapping[str, tuple[str, ...]] = {
     "torch._C": ("_current_graph_task_id",),
     "torch._C._autograd": ("_top_saved_tensors_default_hooks",),
+    "torch._C._dynamo.eval_frame": ("get_eval_frame_callback",),
     "torch._dynamo.backends.common": ("aot_autograd",),
     "torch._dynamo.backends.registry": ("register_backend", "_COMPILER_FNS"),
     "torch._dynamo.config": ("recompile_limit", "fail_on_recompile_limit_hit"),

@@ -57,6 +57,8 @@ class _SavedView:
 def remember(weight: Tensor, gather: Callable[[], Tensor]) -> None:
     """Mark `weight`, just gathered eagerly, as one the backward may gather again with `gather`."""
     key = weight.untyped_storage().data_ptr()
+    if key == 0:  # an empty weight: nothing to save, and every empty storage has this address
+        return
 
     def forget(_ref, key=key) -> None:
         if _GATHERED.get(key) is recipe:
@@ -67,8 +69,10 @@ def remember(weight: Tensor, gather: Callable[[], Tensor]) -> None:
 
 
 def _pack(saved: Tensor):
-    recipe = _GATHERED.get(saved.untyped_storage().data_ptr()) if saved.device.type != "meta" else None
-    if recipe is None or recipe.weight() is None:
+    key = saved.untyped_storage().data_ptr() if saved.device.type != "meta" else 0
+    recipe = _GATHERED.get(key) if key != 0 else None  # 0: every empty storage
+    weight = recipe.weight() if recipe is not None else None
+    if weight is None or weight.dtype != saved.dtype:
         return saved
     return _SavedView(recipe, tuple(saved.size()), tuple(saved.stride()), saved.storage_offset())
 

@@ -24,6 +24,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_map
 
@@ -430,8 +431,15 @@ def _counting_forwards(forward):
 
 
 def _eager_saving_hooks():
-    """regather.py's hooks, around the outermost forward of an eagerly run, differentiated model."""
+    """regather.py's hooks, around the outermost forward of an eagerly run, differentiated model.
+
+    Not where torch.compile runs the model (Dynamo's frame callback is set): its graphs re-gather
+    themselves, and AOTAutograd would trace under the hooks (AOTAutograd took 14.6 s with them,
+    10.2 s without, for GPT-2 small in one noisy A/B run). Frames Dynamo gives up then keep their
+    gathered weights, as every eager frame did before."""
     if torch.compiler.is_compiling() or _FORWARD.depth > 0 or not torch.is_grad_enabled():
+        return None
+    if get_eval_frame_callback() is not None:
         return None
     return regather.saving_recipes()
 
