@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map_only
 
-from .trace_cache import cached_trace
+from .trace_cache import cached_trace, run_on_fake_values
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -227,7 +227,7 @@ def inline_traced(graph: fx.Graph, fn: Callable, node_args: list[fx.Node], decom
     copied: dict[fx.Node, fx.Node] = dict(zip(placeholders, node_args))
     out = graph.graph_copy(traced, copied)
     if reused:
-        _fresh_fake_values([copied[n] for n in traced.nodes if n.op == "call_function"], fake_mode)
+        run_on_fake_values([copied[n] for n in traced.nodes if n.op == "call_function"], fake_mode)
     return out
 
 
@@ -237,11 +237,3 @@ def _trace(fn: Callable, fake_args: list, fake_mode: Any, decompositions: dict |
 
     with fake_mode:
         return make_fx(dispatch_functionalize(fn), decomposition_table=decompositions or {})(*fake_args)
-
-
-def _fresh_fake_values(nodes: list[fx.Node], fake_mode: Any) -> None:
-    """Run each node's op on its inputs' fake values: new tensors, related as the ops relate them."""
-    with fake_mode:
-        for node in nodes:
-            args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-            node.meta["val"] = node.target(*args, **kwargs)

@@ -134,14 +134,18 @@ def _give_fake_values(graph: fx.Graph, fake_args: list, fake_mode: Any) -> None:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, fake_args):
         node.meta["val"] = value
-    with fake_mode:
-        for node in graph.nodes:
-            if node.op == "call_function":
-                args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-                node.meta["val"] = node.target(*args, **kwargs)
+    run_on_fake_values([n for n in graph.nodes if n.op == "call_function"], fake_mode)
     for node in graph.nodes:
         if isinstance(node.meta.get("val"), torch.Tensor):
             node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+
+
+def run_on_fake_values(nodes: list[fx.Node], fake_mode: Any) -> None:
+    """Run each node's op on its inputs' fake values: new tensors, related as the ops relate them."""
+    with fake_mode:
+        for node in nodes:
+            args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            node.meta["val"] = node.target(*args, **kwargs)
 
 
 # The encoding: a node is {"op", "name", "target", "args", "kwargs"}; a value is JSON's own for
