@@ -125,14 +125,23 @@ def link_bytes() -> int:
 
 
 def measure_rates(
-    rates: list[Optional[str]], steps: int, configs: Optional[str], timeout_s: float, grad_accum: bool = False
+    rates: list[Optional[str]],
+    steps: int,
+    configs: Optional[str],
+    timeout_s: float,
+    grad_accum: bool = False,
+    cache_per_rate: bool = False,
 ) -> dict:
     """{rate: the worker's results} for each link rate, on one cluster (`configs`: comma-separated
-    names of cluster_worker.py's CONFIGS; None: all of them)."""
+    names of cluster_worker.py's CONFIGS; None: all of them). `cache_per_rate`: a fresh Inductor
+    cache folder for each rate, so that zpp_compile measures each link anew instead of keeping the
+    rates it remembered there (cost_model.py) from a link within 4x of it."""
     results = {}
     with two_node_cluster(), tempfile.TemporaryDirectory() as tmp:
         env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}  # the first rate compiles cold
         for rate in rates:
+            if cache_per_rate:
+                env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, f"inductor-{rate}")}
             set_link_rate(rate)
             out = os.path.join(tmp, f"{rate}.json")
             worker = [str(ROOT / "benchmarks" / "cluster_worker.py"), "--out", out, "--steps", str(steps)]

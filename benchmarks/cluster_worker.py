@@ -33,7 +33,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "zeropp + qwZ": ("zeropp", {"quantize_weights": True}),
     "zeropp + hpZ": ("zeropp", {"hpz_size": 2}),
     "zeropp + qgZ": ("zeropp", {"quantize_gradients": True}),
+    "zeropp qwZ+hpZ": ("zeropp", {"quantize_weights": True, "hpz_size": 2}),
     "zeropp qwZ+hpZ+qgZ": ("zeropp", ZERO_PP),
+    "zeropp auto": ("zeropp", {"plan": "auto"}),
+    "zeropp auto lossy": ("zeropp", {"plan": "auto", "allow_lossy": True}),
     "FSDP2 fp32": ("fsdp2", {}),
     "FSDP2 bf16": ("fsdp2", {"bf16": True}),
     "DDP fp32": ("ddp", {}),
@@ -69,6 +72,20 @@ def _zeropp(options: dict) -> tuple[torch.nn.Module, Callable]:
     return model, torch.compile(model, backend="zeropp")
 
 
+def plan_of(model: torch.nn.Module) -> dict:
+    """Config(plan="auto"): what each graph's plan chose, its estimated and measured bytes."""
+    if not zpp_compile.is_sharded(model) or not model._zpp_state.auto_plans:
+        return {}
+    plans = model._zpp_state.auto_plans
+    return {
+        "plan": "; ".join(p.chosen.option.name for p in plans),
+        "plan_estimated_bytes": max(p.persistent_bytes + p.chosen.memory_bytes for p in plans),
+        "plan_measured_bytes": max(p.measured_bytes for p in plans),
+        "budget_bytes": plans[0].budget_bytes,
+        "estimated_step_s": sum(p.chosen.step_s for p in plans),
+    }
+
+
 def _fsdp2(options: dict) -> tuple[torch.nn.Module, Callable]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -102,10 +119,12 @@ def _ddp(options: dict) -> tuple[torch.nn.Module, Callable]:
 
 
 BUILDERS = {"zeropp": _zeropp, "fsdp2": _fsdp2, "ddp": _ddp}
+BUILT: dict[int, torch.nn.Module] = {}  # every model build_step made, in order
 
 
 def build_step(kind: str, options: dict) -> Callable[[torch.Tensor], float]:
     model, run = BUILDERS[kind](options)
+    BUILT[len(BUILT)] = model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(tokens: torch.Tensor) -> float:
@@ -205,8 +224,9 @@ def main() -> None:
                 "reduce_inter_bytes": statistics.median(s["reduce_inter"] for s in rows),
                 "reduce_intra_bytes": statistics.median(s["reduce_intra"] for s in rows),
                 "loss": rows[-1]["loss"],
+                **plan_of(BUILT[i]),
             }
-            for name, rows in samples.items()
+            for i, (name, rows) in enumerate(samples.items())
         }
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()

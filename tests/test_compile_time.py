@@ -90,6 +90,9 @@ def test_a_model_compiles_once_for_all_its_steps_and_says_where_the_time_went(po
         assert any(f"{graph}: backend took" in line for line in lines), lines
 
 
+_RATE_NAMES = ("bytes_per_s", "flops_per_s")
+
+
 def _remembered_on_every_rank(stored: dict[int, tuple], measured: tuple, root: str) -> tuple:
     """_remembered() with this rank's own cache folder holding `stored[rank]` (absent: no file)."""
     rank, device = dist.get_rank(), torch.device("cpu")
@@ -100,9 +103,9 @@ def _remembered_on_every_rank(stored: dict[int, tuple], measured: tuple, root: s
         path.unlink(missing_ok=True)
         if rank in stored:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"bytes_per_s": stored[rank][0], "flops_per_s": stored[rank][1]}))
+            path.write_text(json.dumps(dict(zip(_RATE_NAMES, stored[rank]))))
         os.environ["LOCAL_RANK"] = "0"  # each rank here stands for a node of its own: it writes
-        rates = _remembered(measured, None, device)
+        rates = tuple(_remembered(dict(zip(_RATE_NAMES, measured)), None, device).values())
         written = json.loads(path.read_text()) if path.exists() else None
         return rates, written
     finally:

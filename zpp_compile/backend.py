@@ -27,7 +27,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from . import comm, compat, compile_sharing, compile_timing, inductor_regions, passes
+from . import auto_plan, comm, compat, compile_sharing, compile_timing, inductor_regions, passes
 from .faults import explained_collective_failures
 from .layout import ShardedState, shard_spec, state_of_shard
 from .plan import as_scheduled, collectives_in, marker_schedule
@@ -68,6 +68,8 @@ class GraphRecord:
     # "miss", "bypass" (uncacheable), "off" (caches disabled), or counts when its regions differed
     # ("9 hit, 3 miss"); empty under lowering="aot_eager".
     inductor_cache: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Config(plan="auto"): the plan chosen for this graph (auto_plan.AutoPlan); None otherwise.
+    auto_plan: Optional[Any] = None
 
 
 _RECORDS: dict[int, GraphRecord] = {}
@@ -108,12 +110,14 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
     # Exclusive timing: what the stages inside do not account for is AOTAutograd's own work.
     with ctx.stage_seconds.timed(compile_timing.AOT_TRACE):
         gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
-        compile_graph = functools.partial(_compile_partitioned, use_inductor=use_inductor)
+        # The compilers take the phase's context when they run: Config(plan="auto") settings are
+        # chosen on the joint (or inference) graph, after this point.
+        compile_graph = functools.partial(_compile_partitioned, ctx=ctx, state=state, use_inductor=use_inductor)
         compiled = aot_autograd(
-            fw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("forward")),
-            bw_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("backward")),
-            inference_compiler=functools.partial(compile_graph, ctx=ctx.for_phase("inference")),
-            partition_fn=functools.partial(_partition, ctx=ctx),
+            fw_compiler=functools.partial(compile_graph, phase="forward"),
+            bw_compiler=functools.partial(compile_graph, phase="backward"),
+            inference_compiler=functools.partial(compile_graph, phase="inference"),
+            partition_fn=functools.partial(_partition, ctx=ctx, state=state),
             decompositions=decompositions,
         )(gm, example_inputs)
     compile_timing.log_graph(f"graph{ctx.graph_id}", ctx.stage_seconds)
@@ -187,10 +191,12 @@ def _sharded_state_of(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Opti
     return states[0] if states else None
 
 
-def _partition(joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: passes.PassContext, **kwargs: Any):
+def _partition(
+    joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: passes.PassContext, state: ShardedState, **kwargs: Any
+):
     """Under Inductor, its own joint-graph passes run first (as torch.compile's default partition
     does: pattern rewrites, and what random ops need), then ours and the partition."""
-    partition = functools.partial(_partition_sharded, ctx=ctx)
+    partition = functools.partial(_partition_sharded, ctx=ctx, state=state)
     if ctx.config.lowering != "inductor":
         return partition(joint_gm, joint_inputs, **kwargs)
     from torch._inductor.compile_fx import partition_fn
@@ -210,7 +216,10 @@ def eager_random_ops():
     return inductor_config.patch(fallback_random=True)
 
 
-def _partition_sharded(joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: passes.PassContext, **kwargs: Any):
+def _partition_sharded(
+    joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: passes.PassContext, state: ShardedState, **kwargs: Any
+):
+    _apply_auto_plan(ctx, state, joint_gm, training=True)
     joint_ctx = ctx.for_phase("joint")
     joint_passes = passes.JOINT_PASSES
     if ctx.config.save_gathered_weights:  # keep the gathered weights: no recompute tags
@@ -229,9 +238,30 @@ def _partition_sharded(joint_gm: fx.GraphModule, joint_inputs: Any, *, ctx: pass
     return fw_gm, bw_gm
 
 
+def _apply_auto_plan(ctx: passes.PassContext, state: ShardedState, gm: fx.GraphModule, *, training: bool) -> None:
+    """Config(plan="auto"): choose this graph's plan once, from the joint graph (or the inference
+    graph), and hand every later pass of the graph the manual Config it stands for."""
+    if not ctx.config.auto_plan:
+        return
+    with ctx.stage_seconds.timed("auto_plan"):
+        plan = auto_plan.choose_plan(gm, state, f"graph{ctx.graph_id}", training=training)
+    state.auto_plans.append(plan)
+    _RECORDS[ctx.graph_id].auto_plan = plan
+    ctx.config = plan.config
+    ctx.topology = auto_plan.topology_for(plan.config, ctx.topology)
+
+
 def _compile_partitioned(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], *, ctx: passes.PassContext, use_inductor: bool
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    ctx: passes.PassContext,
+    state: ShardedState,
+    phase: str,
+    use_inductor: bool,
 ) -> Callable:
+    _apply_auto_plan(ctx, state, gm, training=False)  # an inference graph: no joint graph before it
+    ctx = ctx.for_phase(phase)
     is_backward = ctx.phase == "backward"
     with ctx.stage_seconds.timed(f"{ctx.phase}/schedule_record"):
         markers = marker_schedule(gm, named=not is_backward)
@@ -240,6 +270,8 @@ def _compile_partitioned(
         collectives = collectives_in(gm, "backward" if is_backward else "forward", ctx.label)
         schedule = Schedule(ctx.label, (*markers, *map(as_scheduled, collectives)))
     record = _RECORDS[ctx.graph_id]
+    if record.auto_plan is not None:
+        record.auto_plan.note_compiled(ctx.phase, gm)
     setattr(record, "backward" if is_backward else "forward", gm)
     record.collectives[ctx.phase] = collectives
     if use_inductor:

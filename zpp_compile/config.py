@@ -28,6 +28,25 @@ DEFAULT_COLLECTIVE_LATENCY_US = 50.0
 DEFAULT_KERNEL_US = 5.0
 
 Lowering = Literal["inductor", "aot_eager"]
+PlanMode = Literal["manual", "auto"]
+
+# The fields Config(plan="auto") chooses per graph (auto_plan.py); with "auto" they must keep their
+# defaults, so that no choice of the user's is silently overridden.
+PLANNED_FIELDS = (
+    "quantize_weights",
+    "hpz_size",
+    "hpz_quantized_secondary",
+    "quantize_gradients",
+    "qgz_error_feedback",
+    "gather_bucket_bytes",
+    "reduce_bucket_bytes",
+    "prefetch_limit",
+    "prefetch_bytes",
+)
+# Config(plan="auto")'s default memory budget per rank: this fraction of the memory of the device
+# the model trains on (a CUDA device's total memory; on the CPU, the machine's memory divided by
+# the ranks of the node). The rest is left to activations, the optimizer and the allocator.
+DEFAULT_MEMORY_BUDGET_FRACTION = 0.25
 
 
 def _field(default: Any, doc: str) -> Any:
@@ -120,11 +139,13 @@ class Config:
     intra_node_gbps: Optional[float] = _field(
         None,
         "the cost model's bandwidth between ranks of one node, Gbit/s per rank; `None` measures it once in "
-        "`shard()` (one all-gather; the slowest rank's value, so all ranks decide alike)",
+        "`shard()` (one all-gather of the world, or, with `plan=\"auto\"` on several nodes, inside each node; the "
+        "slowest rank's value, so all ranks decide alike)",
     )
     inter_node_gbps: Optional[float] = _field(
         None,
-        "the cost model's bandwidth between nodes, Gbit/s per rank; `None`: measured with `intra_node_gbps`",
+        "the cost model's bandwidth between nodes, Gbit/s per rank; `None`: measured with `intra_node_gbps` "
+        '(with `plan="auto"` on several nodes: by one all-gather across nodes, every rank at once)',
     )
     compute_tflops: Optional[float] = _field(
         None,
@@ -204,6 +225,28 @@ class Config:
         "the cache directory) and loads them from the cache afterwards. No collective; `False`: each rank "
         "compiles every region itself",
     )
+    plan: PlanMode = _field(
+        "manual",
+        '`"manual"`: the fields above say which ZeRO++ techniques run. `"auto"`: each compiled graph gets the '
+        "communication plan the cost model estimates fastest within `memory_budget_bytes` -- qwZ, hpZ (and its "
+        "int8 secondary), bucket sizes, prefetch depth; qgZ only with `allow_lossy` -- from the links and compute "
+        "rate measured in `shard()` and the graph's own parameters and FLOPs; the fields it chooses must keep "
+        "their defaults. Every rank chooses alike; `zpp_compile.explain(model)` prints each choice and the "
+        "options weighed (docs/auto_plan.md)",
+    )
+    memory_budget_bytes: Optional[int] = _field(
+        None,
+        'with `plan="auto"`: the bytes per rank the plan may hold for the parameters -- shards, gradient shards, '
+        "gathered weights and buckets in flight, hpZ's secondary shards, qgZ's error feedback -- not counting "
+        "activations and optimizer state. `None`: a quarter of the device's memory (CPU: of the machine's, "
+        "divided by the ranks per node). Below what ZeRO-3 needs, `shard()` raises with the figures",
+    )
+    allow_lossy: bool = _field(
+        False,
+        'with `plan="auto"`: the plan may also choose qgZ (int4 gradients), which changes the numerics of the '
+        "gradient (qwZ is chosen without it: the forward's weights, not the update, see the int8 error). Off: "
+        "gradients are reduced exactly as by ZeRO-3",
+    )
     dump_graphs_dir: Optional[str] = _field(
         None, "dump every graph before/after every pass to this folder (also `ZPP_DUMP_GRAPHS=dir`)"
     )
@@ -243,6 +286,7 @@ class Config:
             _require_int(self, "ranks_per_node", minimum=1)
         if self.lowering not in ("inductor", "aot_eager"):
             raise ValueError(f"Config.lowering={self.lowering!r} is not a lowering; use 'inductor' or 'aot_eager'.")
+        _check_plan_fields(self)
         if self.dump_graphs_dir is not None and not isinstance(self.dump_graphs_dir, (str, os.PathLike)):
             raise TypeError(f"Config.dump_graphs_dir must be a folder path, got {type(self.dump_graphs_dir).__name__}.")
 
@@ -276,6 +320,10 @@ class Config:
         return config_from_fsdp2(mp_policy, reshard_after_forward, **overrides)
 
     @property
+    def auto_plan(self) -> bool:
+        return self.plan == "auto"
+
+    @property
     def hpz_enabled(self) -> bool:
         return self.hpz_size is not None and self.hpz_size > 1
 
@@ -288,6 +336,28 @@ class Config:
     def graph_dump_dir(self) -> Optional[str]:
         """The folder graphs are dumped to: the config's, else $ZPP_DUMP_GRAPHS, else None."""
         return os.fspath(self.dump_graphs_dir) if self.dump_graphs_dir else os.environ.get("ZPP_DUMP_GRAPHS") or None
+
+
+def _check_plan_fields(config: Config) -> None:
+    if config.plan not in ("manual", "auto"):
+        raise ValueError(f"Config.plan={config.plan!r} is not a plan mode; use 'manual' or 'auto'.")
+    _require_bool(config, "allow_lossy")
+    if config.memory_budget_bytes is not None:
+        _require_int(config, "memory_budget_bytes", minimum=1)
+    if not config.auto_plan:
+        for name in ("memory_budget_bytes", "allow_lossy"):
+            if getattr(config, name) != _DEFAULTS[name]:
+                raise ValueError(
+                    f"Config.{name} is read by the automatic plan only; add plan='auto', or remove {name}."
+                )
+        return
+    chosen = [n for n in PLANNED_FIELDS if getattr(config, n) != _DEFAULTS[n]]
+    if chosen:
+        raise ValueError(
+            f"Config(plan='auto') chooses {', '.join(chosen)} itself, and this Config sets "
+            f"{'it' if len(chosen) == 1 else 'them'}: remove {', '.join(chosen)} to let the plan choose "
+            "(memory_budget_bytes and allow_lossy steer it), or use plan='manual' to keep your settings."
+        )
 
 
 def _shown_default(value: Any) -> str:
@@ -317,6 +387,7 @@ def _attributes_section() -> str:
 
 
 Config.__doc__ = (Config.__doc__ or "") + _attributes_section()
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
 def _require_bool(config: Config, name: str) -> None:

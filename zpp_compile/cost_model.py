@@ -30,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .compat import all_gather_single
 from .config import DEFAULT_COLLECTIVE_LATENCY_US, DEFAULT_KERNEL_US, Config
+from .topology import Topology
 
 _PROBE_BYTES = 4 * 2**20
 _PROBE_MATMUL = 512
@@ -73,43 +74,96 @@ class CostModel:
 
 
 def build_cost_model(
-    config: Config, group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None
+    config: Config,
+    group: Optional[dist.ProcessGroup] = None,
+    device: Optional[torch.device] = None,
+    topology: Optional[Topology] = None,
 ) -> CostModel:
     """The Config's rates, with the missing ones measured here (collective: every rank calls it),
-    on `device` (where the model trains: NCCL groups take CUDA tensors only)."""
-    measured = None
+    on `device` (where the model trains: NCCL groups take CUDA tensors only). With `topology` and
+    Config(plan="auto") on several nodes, the links are measured apart: an all-gather inside each
+    node and one across nodes (every rank at once, so each gets its share of the node's link), and
+    the fixed cost of a collective is measured too (a 4-byte all-gather on the slower link), unless
+    Config.collective_latency_us was set."""
+    measured: dict[str, float] = {}
     if config.intra_node_gbps is None or config.inter_node_gbps is None or config.compute_tflops is None:
         device = device or torch.device("cpu")
-        measured = _remembered(_measure(group, device), group, device)
-    bandwidth = measured[0] if measured else 0.0
+        links = _link_groups(config, topology)
+        measured = _remembered(_measure(group, device, links), group, device, nodes=topology.num_nodes if links else 1)
     return CostModel(
-        intra_node_bytes_per_s=config.intra_node_gbps * 1e9 / 8 if config.intra_node_gbps else bandwidth,
-        inter_node_bytes_per_s=config.inter_node_gbps * 1e9 / 8 if config.inter_node_gbps else bandwidth,
-        flops_per_s=config.compute_tflops * 1e12 if config.compute_tflops else measured[1],
-        latency_s=config.collective_latency_us / 1e6,
+        intra_node_bytes_per_s=_given_or(config.intra_node_gbps, measured, "intra_bytes_per_s", "bytes_per_s"),
+        inter_node_bytes_per_s=_given_or(config.inter_node_gbps, measured, "inter_bytes_per_s", "bytes_per_s"),
+        flops_per_s=config.compute_tflops * 1e12 if config.compute_tflops else measured["flops_per_s"],
+        latency_s=measured.get("latency_s", config.collective_latency_us / 1e6)
+        if config.collective_latency_us == DEFAULT_COLLECTIVE_LATENCY_US
+        else config.collective_latency_us / 1e6,
         kernel_s=config.kernel_us / 1e6,
     )
 
 
-def _measure(group: Optional[dist.ProcessGroup], device: torch.device) -> tuple[float, float]:
-    """(all-gather bytes/s per rank, matmul FLOP/s), each the slowest rank's, on every rank."""
-    world = dist.get_world_size(group)
-    probe = torch.zeros(_PROBE_BYTES // 4 // max(world, 1), device=device)
-    out = torch.empty(probe.numel() * world, device=device)
-    all_gather_single(out, probe, group=group)  # warm-up: connections, buffers
-    seconds = [min(_timed(lambda: all_gather_single(out, probe, group=group), device) for _ in range(_PROBE_REPEATS))]
+def _given_or(gbps: Optional[float], measured: dict[str, float], link: str, world: str) -> float:
+    """A bandwidth in bytes/s: the Config's, else the link's own measurement, else the world's."""
+    if gbps:
+        return gbps * 1e9 / 8
+    return measured.get(link, measured.get(world, 0.0))
+
+
+def _link_groups(config: Config, topology: Optional[Topology]) -> Optional[tuple[str, str]]:
+    """(node group, cross-node group) to measure the two links on, when they are worth telling
+    apart: an automatic plan on several nodes of several ranks each."""
+    if topology is None or not config.auto_plan or topology.num_nodes < 2 or topology.ranks_per_node < 2:
+        return None
+    if topology.node_group_name is None or topology.cross_node_group_name is None:
+        return None
+    return topology.node_group_name, topology.cross_node_group_name
+
+
+def _measure(
+    group: Optional[dist.ProcessGroup], device: torch.device, links: Optional[tuple[str, str]] = None
+) -> dict[str, float]:
+    """All-gather bytes/s per rank (of the world, or of each link) and matmul FLOP/s, each the
+    slowest rank's, on every rank."""
+    groups = {"bytes_per_s": group} if links is None else {
+        "intra_bytes_per_s": _resolve_group(links[0]), "inter_bytes_per_s": _resolve_group(links[1]),
+    }  # fmt: skip
+    seconds, sent = [], []
+    for g in groups.values():
+        t, b = _all_gather_seconds(g, device, _PROBE_BYTES)
+        seconds.append(t)
+        sent.append(b)
+    if links is not None:  # an automatic plan also weighs bucket counts: measure a collective's fixed cost
+        seconds.append(max(_all_gather_seconds(g, device, 4 * dist.get_world_size(g))[0] for g in groups.values()))
     a = torch.randn(_PROBE_MATMUL, _PROBE_MATMUL, device=device)
     a @ a
     seconds.append(min(_timed(lambda: a @ a, device) for _ in range(_PROBE_REPEATS)))
     slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    sent = probe.numel() * 4 * (world - 1)
-    return max(sent, 1) / slowest[0].item(), 2 * _PROBE_MATMUL**3 / slowest[1].item()
+    rates = {name: max(b, 1) / t for name, b, t in zip(groups, sent, slowest.tolist())}
+    if links is not None:
+        rates["latency_s"] = slowest[-2].item()
+    rates["flops_per_s"] = 2 * _PROBE_MATMUL**3 / slowest[-1].item()
+    return rates
+
+
+def _all_gather_seconds(group: Optional[dist.ProcessGroup], device: torch.device, size: int) -> tuple[float, int]:
+    """(best time of an all-gather of `size` bytes over `group`, bytes each rank sent in it)."""
+    world = dist.get_world_size(group)
+    probe = torch.zeros(max(size // 4 // max(world, 1), 1), device=device)
+    out = torch.empty(probe.numel() * world, device=device)
+    all_gather_single(out, probe, group=group)  # warm-up: connections, buffers
+    best = min(_timed(lambda: all_gather_single(out, probe, group=group), device) for _ in range(_PROBE_REPEATS))
+    return best, probe.numel() * 4 * (world - 1)
+
+
+def _resolve_group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
 
 
 def _remembered(
-    measured: tuple[float, float], group: Optional[dist.ProcessGroup], device: torch.device
-) -> tuple[float, float]:
+    measured: dict[str, float], group: Optional[dist.ProcessGroup], device: torch.device, nodes: int = 1
+) -> dict[str, float]:
     """The rates an earlier run on this machine measured, when the new measurement is within
     REMEMBERED_RATES_TOLERANCE of them; else the new ones, which are then remembered.
 
@@ -118,40 +172,42 @@ def _remembered(
     would recompile everything. The rates live next to that cache (rates_file()); every rank
     takes the smallest of what the ranks chose, so they agree even when their files differ.
     """
-    path = rates_file(dist.get_world_size(group), device)
-    stored = _read_rates(path)
+    path = rates_file(dist.get_world_size(group), device, nodes)
+    stored = _read_rates(path, measured.keys())
     close = stored is not None and all(
-        1 / REMEMBERED_RATES_TOLERANCE <= s / m <= REMEMBERED_RATES_TOLERANCE for s, m in zip(stored, measured)
+        1 / REMEMBERED_RATES_TOLERANCE <= stored[k] / m <= REMEMBERED_RATES_TOLERANCE for k, m in measured.items()
     )
-    agreed = torch.tensor(stored if close else measured, dtype=torch.float64, device=device)
+    chosen = stored if close else measured
+    agreed = torch.tensor([chosen[k] for k in measured], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    rates = (agreed[0].item(), agreed[1].item())
+    rates = dict(zip(measured, agreed.tolist()))
     if rates != stored and int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0:
         _write_rates(path, rates)
     return rates
 
 
-def rates_file(world: int, device: torch.device) -> Path:
+def rates_file(world: int, device: torch.device, nodes: int = 1) -> Path:
     """Where measured rates are remembered: in Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    return Path(cache_dir()) / "zpp_compile" / f"rates-world{world}-{device.type}.json"
+    links = f"-nodes{nodes}" if nodes > 1 else ""
+    return Path(cache_dir()) / "zpp_compile" / f"rates-world{world}{links}-{device.type}.json"
 
 
-def _read_rates(path: Path) -> Optional[tuple[float, float]]:
+def _read_rates(path: Path, names) -> Optional[dict[str, float]]:
     try:
         data = json.loads(path.read_text())
-        return float(data["bytes_per_s"]), float(data["flops_per_s"])
+        return {name: float(data[name]) for name in names}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _write_rates(path: Path, rates: tuple[float, float]) -> None:
+def _write_rates(path: Path, rates: dict[str, float]) -> None:
     """Atomically (ranks of several nodes may share the folder); a folder we cannot write is no error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump({"bytes_per_s": rates[0], "flops_per_s": rates[1]}, f)
+            json.dump(rates, f)
         os.replace(f.name, path)
     except OSError:
         pass

@@ -19,9 +19,15 @@ def explain(model: nn.Module, *inputs: Any, **kwargs: Any) -> CommPlan:
     The backward runs on the output if it is a scalar loss, else on the sum of the output.
     Parameter gradients are restored afterwards, so a training loop is not disturbed. Like a
     training step it is collective: every rank must call it with inputs of the same shapes.
+
+    Under Config(plan="auto") the result also holds the plan chosen for each graph compiled so
+    far, with the estimated time, bytes and memory of every option weighed; `print()` shows them.
+    Without inputs nothing runs: only those plans are returned (no collective, any rank).
     """
     original = unwrap_compiled(model)
     state = sharded_state(original)
+    if not inputs and not kwargs:
+        return CommPlan([], state.topology, list(state.auto_plans))
     compiled = model if original is not model else torch.compile(model, backend="zeropp")
     params = list(original.parameters())
     saved_grads = [p.grad for p in params]
@@ -32,7 +38,7 @@ def explain(model: nn.Module, *inputs: Any, **kwargs: Any) -> CommPlan:
             loss.backward()
     for p, g in zip(params, saved_grads):
         p.grad = g
-    return CommPlan(list(collectives), state.topology)
+    return CommPlan(list(collectives), state.topology, list(state.auto_plans))
 
 
 def _sum_of_tensors(out: Any) -> torch.Tensor:

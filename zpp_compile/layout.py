@@ -55,6 +55,7 @@ class ShardSpec:
     reduce_dtype: Optional[torch.dtype] = None
     device: torch.device = torch.device("cpu")  # where the shard lives; moving it later is refused
     plan_id: int = 0  # which shard() call made it: compiled graphs are specialised on it (see gather_full)
+    requires_grad: bool = True  # at shard(): whether a gradient shard is to be expected (memory estimates)
 
     def __post_init__(self) -> None:
         # What every read of the parameter in forward passes to its gather op, worked out once:
@@ -123,6 +124,8 @@ class ShardedState:
     recompile_storm_reported: bool = False
     # "sync", "accumulate" (under no_sync) or "flush" (synchronised, gradients pending): grad_sync.py
     grad_sync: str = "sync"
+    # Config(plan="auto"): the plan of each graph compiled for this model (auto_plan.AutoPlan), in order.
+    auto_plans: list = dataclasses.field(default_factory=list)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Iterable
+from typing import Container, Iterable, Optional
 
 import torch
 import torch.fx as fx
@@ -88,21 +88,29 @@ def as_scheduled(collective: Collective) -> ScheduledCollective:
     )
 
 
-def peak_collective_bytes(gm: fx.GraphModule) -> int:
+def peak_collective_bytes(gm: fx.GraphModule, ops: Optional[Container[str]] = None) -> int:
     """The most bytes of collective results alive at once when `gm` runs in graph order.
 
     A result lives from its collective's start to the last use of it or of any view of it (the
     buffer cannot be freed while a view survives): the gathered weights and buckets in flight and
-    in use, which is what bucketing and prefetch trade against step time.
+    in use, which is what bucketing and prefetch trade against step time. `ops`: only those
+    collectives ("all_gather", "reduce_scatter", "all_to_all", "all_reduce").
     """
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     spans = [
         (position[n], _last_use(n, position), n.meta["val"].numel() * n.meta["val"].element_size())
         for n in nodes
-        if n.op == "call_function" and n.target in COLLECTIVE_OPS
+        if n.op == "call_function" and n.target in COLLECTIVE_OPS and (ops is None or COLLECTIVE_OPS[n.target] in ops)
     ]
     return max((sum(size for lo, hi, size in spans if lo <= i <= hi) for i in range(len(nodes))), default=0)
+
+
+def weights_gathered_from_inputs(gm: fx.GraphModule) -> int:
+    """Bytes of the graph inputs that an all-gather reads: in a backward graph, the shards the
+    forward handed over to be gathered again (hpZ's secondary shards)."""
+    inputs = {n.args[0] for n in gm.graph.nodes if n.target == _c10d.all_gather_into_tensor.default}
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in inputs if n.op == "placeholder")
 
 
 def _last_use(node: fx.Node, position: dict[fx.Node, int]) -> int:
@@ -123,10 +131,13 @@ def _aliases_input(node: fx.Node) -> bool:
 
 @dataclasses.dataclass
 class CommPlan:
-    """The collectives of one training step as this rank issues them, in order."""
+    """The collectives of one training step as this rank issues them, in order; under
+    Config(plan="auto") also the plan chosen for each compiled graph (auto_plan.AutoPlan), first
+    in the printout."""
 
     collectives: list[Collective]
     topology: Topology
+    auto_plans: list = dataclasses.field(default_factory=list)
 
     def bytes(self, *, phase: Phase | None = None, op: str | None = None, locality: str | None = None) -> int:
         total = 0
@@ -142,6 +153,10 @@ class CommPlan:
         return (c for c in self.collectives if phase in (None, c.phase) and op in (None, c.op))
 
     def __str__(self) -> str:
+        plans = [str(p) for p in self.auto_plans]
+        return "\n\n".join([*plans, self._collectives_table()]) if self.collectives or not plans else "\n\n".join(plans)
+
+    def _collectives_table(self) -> str:
         header = f"{'graph':<22} {'collective':<15} {'group':>6} {'dtype':<9} {'input bytes':>12} {'intra sent':>11} {'inter sent':>11}"
         rows = [header]
         for c in self.collectives:

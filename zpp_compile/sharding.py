@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map
 
 from . import dtensor_ops, regather, schedule_check
 from .agreement import agree_on_model
+from .auto_plan import check_budget
 from .codegen.quantize import num_blocks, quantize_packed
 from .config import Config
 from .cost_model import build_cost_model
@@ -86,7 +87,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
         topology=topology,
         specs={},
         mesh=dtensor_ops.world_mesh(topology.world_group_name, device.type),
-        cost_model=build_cost_model(config, device=device) if config.prefetch_limit else None,
+        cost_model=build_cost_model(config, device=device, topology=topology) if config.prefetch_limit else None,
         plan_id=next(_PLAN_IDS),
     )
     plan_id = state.plan_id
@@ -103,6 +104,8 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
         if names or module is model:  # the root counts its forward even without parameters of its own
             _route_reads_through_gather(module, names)
     _warn_on_block_padding(state)
+    if config.auto_plan:
+        check_budget(state)
     model.register_forward_pre_hook(_refuse_unsharded_parameters)
     if config.param_dtype is not None:
         model.register_forward_pre_hook(_inputs_caster(config.param_dtype), with_kwargs=True)
@@ -303,6 +306,7 @@ def _spec_for(fqn: str, full: Tensor, topology: Topology, config: Config, plan_i
         reduce_dtype=reduce_dtype,
         device=full.device,
         plan_id=plan_id,
+        requires_grad=full.requires_grad,
     )
 
 

@@ -87,6 +87,9 @@ def build_topology(config: Config, *, collective: bool = True) -> Topology:
         _check_node_of_rank(launch, ranks_per_node)
     rank = dist.get_rank()
     hpz_size = _checked_hpz_size(config, ranks_per_node, world)
+    several_nodes = ranks_per_node < world
+    if config.auto_plan and several_nodes:
+        hpz_size = ranks_per_node  # the groups hpZ would use; each graph's plan says whether it does
     timeout_s = config.collective_timeout_s if collective else None
     return Topology(
         world_size=world,
@@ -98,7 +101,7 @@ def build_topology(config: Config, *, collective: bool = True) -> Topology:
         hpz_group_name=_hpz_group_name(world, rank, hpz_size, timeout_s),
         **(
             _node_group_names(world, rank, ranks_per_node, timeout_s)
-            if collective and config.quantize_gradients
+            if collective and (config.quantize_gradients or (config.auto_plan and (several_nodes or config.allow_lossy)))
             else {}
         ),
     )

@@ -1,0 +1,114 @@
+"""Config(plan="auto") against every hand-picked ZeRO++ configuration, on the two-node cluster.
+
+    sudo python benchmarks/auto_plan.py [--rates 100mbit,1gbit,none] [--steps 5]
+
+Runs benchmarks/cluster.py's two simulated nodes (2 ranks each, a tbf-limited veth between them)
+at each link rate, with a fresh Inductor cache per rate so that the cost model measures each link
+(it would otherwise keep rates remembered from a link within 4x). Every config trains the same GPT
+in the same processes, timed round-robin. Reports, per rate: each config's median step; what the
+automatic plan chose, its estimated and measured bytes against the budget; auto's step against
+the best hand-picked config (lossless ones for plan="auto", all for allow_lossy=True); and how
+close the automatic plan gets to the link's physical limit:
+  * 1 Gbit: its step against its own step on the unshaped link;
+  * 100 Mbit: its step against max(its unshaped step, link bytes one way / 12.5 MB/s).
+Writes docs/auto_plan.md and, with matplotlib, docs/auto_plan.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.cluster import measure_rates, plot  # noqa: E402
+
+LOSSLESS = ("zeropp ZeRO-3", "zeropp + qwZ", "zeropp + hpZ", "zeropp qwZ+hpZ")
+LOSSY = ("zeropp + qgZ", "zeropp qwZ+hpZ+qgZ")
+AUTO = {"zeropp auto": LOSSLESS, "zeropp auto lossy": LOSSLESS + LOSSY}
+LINK_BYTES_PER_S = {"100mbit": 100e6 / 8, "1gbit": 1e9 / 8}
+
+
+def best(configs: dict, names: tuple[str, ...]) -> tuple[str, float]:
+    name = min(names, key=lambda n: configs[n]["step_s"])
+    return name, configs[name]["step_s"]
+
+
+def limit_ratio(results: dict, rate: str, auto: str) -> Optional[float]:
+    """The step at `rate` against the physical limit (module docstring); None without the data."""
+    unshaped = results.get("unshaped", {}).get(auto)
+    here = results.get(rate, {}).get(auto)
+    if unshaped is None or here is None or rate not in LINK_BYTES_PER_S:
+        return None
+    if rate == "1gbit":
+        return here["step_s"] / unshaped["step_s"]
+    one_way = here["link_bytes"] / 2 / LINK_BYTES_PER_S[rate]
+    return here["step_s"] / max(unshaped["step_s"], one_way)
+
+
+def table(results: dict, command: str) -> str:
+    mb = 1e6
+    lines = [
+        f"`{command}` (GPT 3.3M params, 4 ranks = 2 namespaces x 2, gloo over a tbf-limited veth; medians of "
+        "round-robin steps after warm-up; step = slowest rank; a fresh Inductor cache per rate)",
+        "",
+        "| link | plan | chose | step ms | best hand-picked | its step ms | auto / best | estimated MB | "
+        "measured MB | budget MB | physical-limit ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for rate, configs in results.items():
+        for auto, candidates in AUTO.items():
+            if auto not in configs:
+                continue
+            r = configs[auto]
+            name, step = best(configs, tuple(c for c in candidates if c in configs))
+            ratio = limit_ratio(results, rate, auto)
+            lines.append(
+                f"| {rate} | {auto} | {r.get('plan', '-')} | {r['step_s'] * 1e3:.0f} | {name} | {step * 1e3:.0f} | "
+                f"{r['step_s'] / step:.2f} | {r.get('plan_estimated_bytes', 0) / mb:.1f} | "
+                f"{r.get('plan_measured_bytes', 0) / mb:.1f} | {r.get('budget_bytes', 0) / mb:.0f} | "
+                f"{'-' if ratio is None else f'{ratio:.2f}'} |"
+            )
+    lines += ["", "Every config's step (ms):", ""]
+    names = list(next(iter(results.values())))
+    lines += ["| config | " + " | ".join(results) + " |", "| --- |" + " --- |" * len(results)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{results[r][name]['step_s'] * 1e3:.0f}" for r in results) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="100mbit,1gbit,none", help="tc rates, 'none' for an unshaped link")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per link rate")
+    p.add_argument("--raw", default="/tmp/zpp_auto_plan_results.json", help="where the measurements go as JSON")
+    args = p.parse_args()
+    rates = [None if r == "none" else r for r in args.rates.split(",")]
+    configs = ",".join((*LOSSLESS, *LOSSY, *AUTO))
+    results = measure_rates(rates, args.steps, configs, args.timeout, cache_per_rate=True)
+    Path(args.raw).write_text(json.dumps(results, indent=1))
+    text = table(results, f"sudo python benchmarks/auto_plan.py --rates {args.rates} --steps {args.steps}")
+    if plot(results, ROOT / "docs" / "auto_plan.png"):
+        text += "\n\n![step time against link rate](auto_plan.png)"
+    print(text)
+    doc = ROOT / "docs" / "auto_plan.md"
+    hand_written = _hand_written(doc)
+    doc.write_text('# Config(plan="auto"): measured\n\n' + text + "\n" + hand_written)
+
+
+def _hand_written(doc: Path) -> str:
+    """The doc's section after '## How the plan is chosen' (kept across runs)."""
+    if not doc.exists():
+        return ""
+    text = doc.read_text()
+    start = text.find("\n## How the plan is chosen")
+    return text[start:] if start >= 0 else ""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Config(plan="auto"): each graph's communication plan, chosen by the cost model within a budget."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zpp_compile
+from zpp_compile.auto_plan import GraphFacts, Techniques, estimate, options, pick
+from zpp_compile.cost_model import CostModel
+from zpp_compile.topology import Topology
+
+from .models import batch, build, loss_of
+from .workers import reset_process_state
+
+TWO_NODES = Topology(world_size=4, rank=0, ranks_per_node=2, world_group_name="world")
+ONE_NODE = Topology(world_size=4, rank=0, ranks_per_node=4, world_group_name="world")
+# A GPT-like graph: 24 gathered weights of 64K elements per rank (4 bytes each, all re-gathered in
+# backward, all reduced) and 0.1 s of compute.
+FACTS = GraphFacts(gathers=((65536, 4, True),) * 24, reductions=((65536, 4),) * 24, compute_s=0.1, training=True)
+SLOW_LINKS = dict(inter_node_gbps=0.1, intra_node_gbps=10.0)
+
+
+def _cost(inter_gbps: float, intra_gbps: float, tflops: float = 1.0) -> CostModel:
+    return CostModel(intra_gbps * 1e9 / 8, inter_gbps * 1e9 / 8, tflops * 1e12)
+
+
+def _chosen(topology: Topology, cost: CostModel, headroom: int = 2**40, **config) -> Techniques:
+    config = zpp_compile.Config(plan="auto", **config)
+    estimates = [estimate(o, FACTS, topology, cost, config, headroom) for o in options(topology, config, True)]
+    return pick(estimates)
+
+
+def test_a_slow_link_between_nodes_gets_qwz_and_hpz_with_int8_secondary_shards():
+    chosen = _chosen(TWO_NODES, _cost(0.1, 10.0))
+    assert chosen.option.techniques == Techniques(quantize_weights=True, hpz=True, hpz_int8=True)
+
+
+def test_gradients_are_quantized_only_when_lossy_plans_are_allowed():
+    assert not _chosen(TWO_NODES, _cost(0.1, 10.0)).option.techniques.quantize_gradients
+    lossy = _chosen(TWO_NODES, _cost(0.1, 10.0), allow_lossy=True).option.techniques
+    assert lossy == Techniques(quantize_weights=True, hpz=True, hpz_int8=True, quantize_gradients=True)
+
+
+def test_when_compute_hides_the_links_the_plan_with_fewest_techniques_wins():
+    # 400 Gbit/s links and 10 s of compute: every option's step is the compute's.
+    facts = dataclasses.replace(FACTS, compute_s=10.0)
+    config = zpp_compile.Config(plan="auto")
+    estimates = [
+        estimate(o, facts, TWO_NODES, _cost(400, 400), config, 2**40) for o in options(TWO_NODES, config, True)
+    ]
+    assert pick(estimates).option.techniques == Techniques()
+
+
+def test_one_node_never_weighs_hpz():
+    config = zpp_compile.Config(plan="auto", allow_lossy=True)
+    assert not any(o.techniques.hpz for o in options(ONE_NODE, config, True))
+    assert not any(o.techniques.hpz or o.techniques.quantize_gradients for o in options(TWO_NODES, config, False))
+
+
+def test_a_tight_budget_rules_out_the_options_that_do_not_fit():
+    free = _chosen(TWO_NODES, _cost(0.1, 10.0))
+    tight = _chosen(TWO_NODES, _cost(0.1, 10.0), headroom=free.memory_bytes - 1)
+    assert tight.fits and tight.memory_bytes < free.memory_bytes
+    assert tight.step_s >= free.step_s
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(plan="auto", quantize_weights=True), "chooses quantize_weights itself"),
+        (dict(plan="auto", hpz_size=2, prefetch_limit=1), "chooses hpz_size, prefetch_limit itself"),
+        (dict(memory_budget_bytes=2**30), "read by the automatic plan only; add plan='auto'"),
+        (dict(allow_lossy=True), "read by the automatic plan only"),
+        (dict(plan="fast"), "not a plan mode"),
+        (dict(plan="auto", memory_budget_bytes=0), "memory_budget_bytes=0 is out of range"),
+    ],
+)
+def test_config_refuses_settings_the_plan_would_override(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        zpp_compile.Config(**kwargs)
+
+
+def _train(name: str, config: zpp_compile.Config, steps: int = 2) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = zpp_compile.shard(build(name), config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="zeropp")
+    counter = zpp_compile.comm_counter()
+    grads = []
+    for step in range(steps):
+        counter.reset()
+        x, y = batch(name, 2 * world, step)
+        loss_of(name, compiled, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        grads.append([p.grad.to_local().clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    plans = zpp_compile.explain(model).auto_plans
+    result = {
+        "grads": grads,
+        "inter": counter.bytes(locality="inter"),
+        "intra": counter.bytes(locality="intra"),
+        "plans": [(p.chosen.option.name, p.chosen.inter_bytes, p.chosen.intra_bytes) for p in plans],
+        "configs": [p.config for p in plans],
+        "measured_bytes": [p.measured_bytes for p in plans],
+        "budget": [p.budget_bytes for p in plans],
+        "text": str(zpp_compile.explain(model)),
+    }
+    reset_process_state()
+    return result
+
+
+def auto_and_the_config_it_chose(name: str, config: dict) -> dict:
+    auto = _train(name, zpp_compile.Config(ranks_per_node=2, plan="auto", lowering="aot_eager", **config))
+    manual = _train(name, auto["configs"][0])
+    return {"auto": auto, "manual": manual}
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
+def test_auto_trains_exactly_as_the_manual_config_it_names_and_its_bytes_are_the_estimate(pools, name):
+    results = pools(4).run(auto_and_the_config_it_chose, name, {**SLOW_LINKS, "compute_tflops": 1.0})
+    plans = {tuple(r["auto"]["plans"]) for r in results}
+    assert len(plans) == 1, f"ranks chose differently: {plans}"
+    ((chosen, inter, intra),) = plans.pop()
+    assert chosen.startswith("qwZ + hpZ int8,"), chosen
+    for r in results:
+        auto, manual = r["auto"], r["manual"]
+        assert manual["plans"] == []
+        for step, (a, b) in enumerate(zip(auto["grads"], manual["grads"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: auto differs from its own Config"
+        # The estimate's bytes are those the step sends, link by link (the counter's model).
+        assert (auto["inter"], auto["intra"]) == (inter, intra)
+        assert "qwZ + hpZ int8" in auto["text"] and "ZeRO-3, buckets" in auto["text"]
+
+
+def lossy_plan(name: str) -> dict:
+    return _train(name, zpp_compile.Config(ranks_per_node=2, plan="auto", allow_lossy=True, lowering="aot_eager",
+                                           compute_tflops=1.0, **SLOW_LINKS))  # fmt: skip
+
+
+def test_allow_lossy_adds_qgz_on_a_slow_link(pools):
+    results = pools(4).run(lossy_plan, "gpt")
+    for r in results:
+        ((name, _, _),) = r["plans"]
+        assert name.startswith("qwZ + hpZ int8 + qgZ,"), name
+        assert r["configs"][0].quantize_gradients and r["inter"] > 0
+
+
+def budget_run(name: str, budget: int) -> dict:
+    return _train(name, zpp_compile.Config(ranks_per_node=2, plan="auto", memory_budget_bytes=budget,
+                                           lowering="aot_eager", compute_tflops=1.0, **SLOW_LINKS), steps=1)  # fmt: skip
+
+
+def test_the_plan_stays_within_the_memory_budget(pools):
+    free = pools(4).run(budget_run, "gpt", 2**40)[0]
+    # A budget just above the unconstrained plan's compiled bytes but below its estimate: the plan
+    # must give something up, and what it compiles stays within the budget.
+    budget = free["measured_bytes"][0] + 1
+    tight = pools(4).run(budget_run, "gpt", budget)
+    for r in tight:
+        assert r["plans"][0][0] != free["plans"][0][0]
+        assert max(r["measured_bytes"]) <= budget
+
+
+def too_small_budget() -> str:
+    try:
+        zpp_compile.shard(build("gpt"), zpp_compile.Config(ranks_per_node=2, plan="auto", memory_budget_bytes=1000))
+    except zpp_compile.ShardingError as e:
+        return str(e)
+    finally:
+        reset_process_state()
+    return "no error"
+
+
+def test_a_budget_below_zero3_is_refused_with_the_figures(pools):
+    for message in pools(4).run(too_small_budget):
+        assert "memory_budget_bytes=1000) cannot hold even ZeRO-3" in message
+        assert "MB" in message and "Raise memory_budget_bytes to at least" in message

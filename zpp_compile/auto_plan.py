@@ -1,0 +1,464 @@
+"""Config(plan="auto"): each compiled graph's communication plan, chosen by the cost model.
+
+The backend calls choose_plan() once per graph, on the joint forward+backward graph (or the
+inference graph), before any pass reads the Config. It reads off the graph what the plan decides
+about: each gathered parameter (shard size, dtype on the wire, whether its gradient is reduced)
+and the compute (the cost model's FLOPs of every node). For every option -- a set of ZeRO++
+techniques x a bucket cap x a prefetch depth -- it estimates the step time and the memory
+(estimate()); the fastest option within the memory budget wins, and among options within
+TIE_FRACTION of it the one with the fewest techniques (each costs compile time and, for qwZ,
+forward precision). The result is a plain manual Config, which the passes then follow as if the
+user had written it: Config(plan="auto") trains exactly as the Config it names in explain().
+
+Every input is the same on every rank (the graph, the agreed cost model, the Config), so every
+rank chooses alike; the schedule check compares what they then issue.
+
+The step-time model, per rank (bytes are those this rank sends, split by the link they cross;
+times are bytes / the link's measured bandwidth plus Config.collective_latency_us per collective):
+  comm     = forward gathers + backward gathers + gradient reductions (each collective's time is
+             that of its slower link)
+  compute  = the graph's FLOPs / compute rate + quantize/dequantize passes (QUANTIZE_FLOPS each element)
+  step     = compute + comm - overlap * min(compute, comm - first gather bucket - last reduction bucket),
+             overlap = prefetch / (prefetch + 1) (0 without prefetch): deeper prefetch hides more of
+             the compute-long stretches; the first gather and the last reduction hide behind nothing
+Memory: shards + gradient shards (every graph) + hpZ secondary shards (from forward to backward) +
+(prefetch + 2) buckets as received (in flight, in use, and a gradient bucket being reduced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+
+import torch
+import torch.fx as fx
+
+from .codegen.int4 import chunk_payload_numel
+from .codegen.quantize import payload_numel
+from .config import DEFAULT_MEMORY_BUDGET_FRACTION, Config
+from .cost_model import CostModel
+from .layout import ShardedState, ShardingError
+from .plan import peak_collective_bytes, weights_gathered_from_inputs
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+# Options whose estimates are within this fraction of the fastest count as equally fast.
+TIE_FRACTION = 0.03
+# The cost of quantizing or dequantizing one element, in FLOPs of the measured matmul rate:
+# measured on CPU (docs/qwz_kernels_cpu.md: Inductor quantize + dequantize of 16.7M fp32 values
+# in 24 ms on 2 threads, against ~70 GFLOP/s for the probe matmul).
+QUANTIZE_FLOPS = 100
+BUCKET_CAPS = (0, 2**20, 4 * 2**20, 25 * 2**20)  # as sent per rank, like Config.gather_bucket_bytes; 0: none
+PREFETCH_DEPTHS = (0, 1, 2, 4)
+_zpp = torch.ops.zpp
+
+
+@dataclasses.dataclass(frozen=True)
+class Techniques:
+    quantize_weights: bool = False
+    hpz: bool = False
+    hpz_int8: bool = False  # the secondary shard kept as the int8 payloads (needs qwZ)
+    quantize_gradients: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [("qwZ", self.quantize_weights), ("hpZ int8" if self.hpz_int8 else "hpZ", self.hpz)]
+        parts.append(("qgZ", self.quantize_gradients))
+        return " + ".join(n for n, on in parts if on) or "ZeRO-3"
+
+    @property
+    def count(self) -> int:
+        return self.quantize_weights + self.hpz + self.quantize_gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    techniques: Techniques
+    bucket_bytes: int
+    prefetch: int
+
+    @property
+    def name(self) -> str:
+        buckets = f"buckets {self.bucket_bytes / 2**20:g} MiB" if self.bucket_bytes else "no buckets"
+        return f"{self.techniques.name}, {buckets}, prefetch {self.prefetch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    option: Option
+    step_s: float
+    compute_s: float
+    comm_s: float
+    inter_bytes: int
+    intra_bytes: int
+    memory_bytes: int
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphFacts:
+    """What a graph's plan depends on: per gathered parameter (shard elements each rank sends,
+    bytes per element on the wire, gathered again in backward or not), per reduced gradient (shard elements, bytes per element), and
+    the graph's own compute (forward, and backward when it is a joint graph)."""
+
+    gathers: tuple[tuple[int, int, bool], ...]  # ..., and whether the backward gathers it again
+    reductions: tuple[tuple[int, int], ...]
+    compute_s: float
+    training: bool
+
+
+@dataclasses.dataclass
+class AutoPlan:
+    """What Config(plan="auto") chose for one graph, and the options it weighed."""
+
+    label: str
+    chosen: Estimate
+    config: Config
+    estimates: list[Estimate]
+    budget_bytes: int
+    persistent_bytes: int
+    links: str
+    # Read off the final graphs once compiled: the most bytes of gathered (and all-to-all) results
+    # alive at once per phase (plan.peak_collective_bytes), and hpZ's secondary shards the backward takes.
+    peak_collective_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    secondary_bytes: int = 0
+
+    @property
+    def measured_bytes(self) -> int:
+        """Persistent state + secondary shards + the larger phase peak of collective results."""
+        return self.persistent_bytes + self.secondary_bytes + max(self.peak_collective_bytes.values(), default=0)
+
+    def note_compiled(self, phase: str, gm: fx.GraphModule) -> None:
+        # Reduce-scatter and all-reduce results are the gradient shards, counted as persistent.
+        self.peak_collective_bytes[phase] = peak_collective_bytes(gm, ops=("all_gather", "all_to_all"))
+        if phase == "backward" and self.config.hpz_enabled:
+            self.secondary_bytes = weights_gathered_from_inputs(gm)
+        if self.measured_bytes > self.budget_bytes:
+            log.warning(
+                "zpp_compile: %s holds %.1f MB once compiled (shards %.1f, hpZ secondary %.1f, collective results "
+                "%.1f), over its %.1f MB budget: the estimate (%s) fell short; lower Config.memory_budget_bytes "
+                "to make the plan choose smaller buckets and shallower prefetch",
+                self.label,
+                self.measured_bytes / 1e6,
+                self.persistent_bytes / 1e6,
+                self.secondary_bytes / 1e6,
+                max(self.peak_collective_bytes.values()) / 1e6,
+                self.budget_bytes / 1e6,
+                self.chosen.option.name,
+            )
+
+    def __str__(self) -> str:
+        mb = 1e6
+        measured = f"; {self.measured_bytes / mb:.2f} MB once compiled" if self.peak_collective_bytes else ""
+        lines = [
+            f"{self.label}: {self.chosen.option.name} (estimated {self.chosen.step_s * 1e3:.1f} ms per step and "
+            f"{(self.persistent_bytes + self.chosen.memory_bytes) / mb:.2f} MB{measured}, of a "
+            f"{self.budget_bytes / mb:.2f} MB budget; {self.links})",
+            f"  {'option (best variant of each)':<52} {'step ms':>9} {'compute':>8} {'comm':>8} "
+            f"{'inter MB':>9} {'intra MB':>9} {'added MB':>9}",
+        ]
+        for e in best_per_techniques(self.estimates):
+            mark = "*" if e is self.chosen else ("over budget" if not e.fits else "")
+            lines.append(
+                f"  {e.option.name:<52} {e.step_s * 1e3:>9.1f} {e.compute_s * 1e3:>8.1f} {e.comm_s * 1e3:>8.1f} "
+                f"{e.inter_bytes / mb:>9.2f} {e.intra_bytes / mb:>9.2f} {e.memory_bytes / mb:>9.2f} {mark}"
+            )
+        return "\n".join(lines)
+
+
+def best_per_techniques(estimates: list[Estimate]) -> list[Estimate]:
+    """The fastest estimate of each set of techniques (within budget where one fits), fastest first."""
+    best: dict[Techniques, Estimate] = {}
+    for e in estimates:
+        held = best.get(e.option.techniques)
+        if held is None or (e.fits, -e.step_s) > (held.fits, -held.step_s):
+            best[e.option.techniques] = e
+    return sorted(best.values(), key=lambda e: (not e.fits, e.step_s))
+
+
+def choose_plan(gm: fx.GraphModule, state: ShardedState, label: str, *, training: bool) -> AutoPlan:
+    """The plan of one graph (the joint graph when `training`, else the inference graph). Each
+    graph's plan fits the budget on its own: with graph breaks, the hpZ secondary shards of
+    several graphs of one step add up."""
+    facts = graph_facts(gm, state.cost_model, training)
+    budget = memory_budget(state)
+    persistent = persistent_bytes(state)
+    estimates = [estimate(o, facts, state.topology, state.cost_model, state.config, budget - persistent)
+                 for o in options(state.topology, state.config, training)]  # fmt: skip
+    chosen = pick(estimates)
+    plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology),
+                    estimates, budget, persistent, describe_links(state.cost_model))  # fmt: skip
+    log.info("zpp_compile: plan of %s", plan)
+    return plan
+
+
+def options(topology: Topology, config: Config, training: bool) -> list[Option]:
+    several_nodes = topology.num_nodes > 1 and topology.ranks_per_node > 1
+    sets = []
+    for qwz in (False, True):
+        for hpz in (False, True) if several_nodes and training else (False,):
+            for hpz_int8 in (False, True) if hpz and qwz else (False,):
+                for qgz in (False, True) if config.allow_lossy and training else (False,):
+                    sets.append(Techniques(qwz, hpz, hpz_int8, qgz))
+    return [Option(t, b, p) for t in sets for b in BUCKET_CAPS for p in PREFETCH_DEPTHS]
+
+
+def pick(estimates: list[Estimate]) -> Estimate:
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:  # the budget was checked against ZeRO-3 in shard(); a graph can still need more
+        smallest = min(estimates, key=lambda e: e.memory_bytes)
+        log.warning("zpp_compile: no plan fits the memory budget; taking the smallest (%s)", smallest.option.name)
+        return smallest
+    fastest = min(e.step_s for e in fitting)
+    close = [e for e in fitting if e.step_s <= fastest * (1 + TIE_FRACTION)]
+    return min(close, key=lambda e: (e.option.techniques.count, e.step_s, e.memory_bytes))
+
+
+def graph_facts(gm: fx.GraphModule, cost_model: CostModel, training: bool) -> GraphFacts:
+    """Read a graph's gather and reduction markers and add up its compute."""
+    regathered = _used_in_backward(gm) if training else set()
+    gathers, reductions, compute_s = [], [], 0.0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target == _zpp.gather_param.default:
+            wire = node.kwargs.get("dtype") or node.args[0].meta["val"].dtype
+            gathers.append((node.args[3], _itemsize(wire), node in regathered))
+        elif node.target == _zpp.reduce_grad.default:
+            reductions.append((node.args[2], node.args[0].meta["val"].element_size()))
+        elif node.target not in _MARKERS:
+            compute_s += cost_model.node_seconds(node)
+    return GraphFacts(tuple(gathers), tuple(reductions), compute_s, training)
+
+
+def _used_in_backward(joint: fx.GraphModule) -> set[fx.Node]:
+    """The gathers of a joint graph whose weight the backward reads (through views): those the
+    backward gathers again (a weight is recomputed, never saved). Backward nodes are those that
+    depend on a tangent."""
+    backward: set[fx.Node] = set()
+    for node in joint.graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+            a in backward for a in node.all_input_nodes
+        ):
+            backward.add(node)
+    used = set()
+    for node in backward:
+        for arg in node.all_input_nodes:
+            while arg not in backward and arg.op == "call_function" and arg.target in _VIEWS:
+                arg = arg.args[0]
+            if arg.op == "call_function" and arg.target == _zpp.gather_param.default:
+                used.add(arg)
+    return used
+
+
+_VIEWS = {
+    torch.ops.aten.t.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.alias.default,
+    torch.ops.prims.convert_element_type.default,
+}
+_MARKERS = {
+    _zpp.gather_param.default,
+    _zpp.gather_quantized_param.default,
+    _zpp.replicated_param.default,
+    _zpp.reduce_grad.default,
+    _zpp.all_reduce_grad.default,
+}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def estimate(
+    option: Option, facts: GraphFacts, topology: Topology, cost: CostModel, config: Config, headroom: int
+) -> Estimate:
+    """The option's step time and memory for this graph (the model in the module docstring)."""
+    t = option.techniques
+    world, local, nodes = topology.world_size, topology.ranks_per_node, topology.num_nodes
+    links = _Links(cost, world, local)
+    block, gradient_block = config.weight_block_size, config.gradient_block_size
+    quantized = 0  # elements quantized or dequantized per step
+    for shard_numel, wire_size, regathered in facts.gathers:
+        full = shard_numel * world
+        wire = payload_numel(shard_numel, block) if t.quantize_weights else shard_numel * wire_size
+        links.all_gather("forward", wire, world)
+        quantized += (shard_numel + full) if t.quantize_weights else 0
+        if not regathered:
+            continue
+        if t.hpz:  # each rank keeps 1/local of the gathered payloads (int8) or of the full weight
+            part = world // local * payload_numel(shard_numel, block) if t.hpz_int8 else full // local * wire_size
+            links.all_gather("backward", part, local)
+            quantized += full if t.hpz_int8 else 0
+        else:
+            links.all_gather("backward", shard_numel * wire_size, world)
+    for shard_numel, reduce_size in facts.reductions:
+        full = shard_numel * world
+        if t.quantize_gradients:  # int4 all-to-all in the node, then of the partial sums across nodes
+            int4, partial = (
+                chunk_payload_numel(full, gradient_block),
+                chunk_payload_numel(full // local, gradient_block),
+            )
+            links.send("reduce", int4, int4 * (local - 1) // local, partial * (nodes - 1) // nodes)
+            quantized += 2 * full + 2 * full // local
+        else:
+            links.all_gather("reduce", shard_numel * reduce_size, world)  # a reduce-scatter sends the same
+    comm_s = links.seconds(option.bucket_bytes)
+    compute_s = facts.compute_s + quantized * QUANTIZE_FLOPS / cost.flops_per_s
+    overlap = option.prefetch / (option.prefetch + 1)
+    hideable = comm_s - links.first_bucket_seconds(option.bucket_bytes)
+    step_s = compute_s + comm_s - overlap * min(compute_s, hideable)
+    memory = _plan_memory(option, facts, topology, config)
+    return Estimate(option, step_s, compute_s, comm_s, links.bytes["inter"], links.bytes["intra"], memory,
+                    memory <= headroom)  # fmt: skip
+
+
+class _Links:
+    """Bytes this rank sends per phase and link, and the collectives they take."""
+
+    def __init__(self, cost: CostModel, world: int, local: int) -> None:
+        self.cost, self.world, self.local = cost, world, local
+        self.bytes = {"inter": 0, "intra": 0}
+        # phase -> [bytes of the parts, as bucket caps count them; intra bytes sent; inter bytes sent; parameters]
+        self.phases: dict[str, list[int]] = {}
+
+    def all_gather(self, phase: str, part: int, group: int) -> None:
+        """An all-gather of a `part` of bytes from each of `group` ranks (a node's ranks first)."""
+        intra_peers = min(group, self.local) - 1
+        self.send(phase, part, part * intra_peers, part * (group - 1 - intra_peers))
+
+    def send(self, phase: str, part: int, intra: int, inter: int) -> None:
+        totals = self.phases.setdefault(phase, [0, 0, 0, 0])
+        for i, value in enumerate((part, intra, inter, 1)):
+            totals[i] += value
+        self.bytes["intra"] += intra
+        self.bytes["inter"] += inter
+
+    def seconds(self, bucket: int) -> float:
+        return sum(self._phase_seconds(phase, bucket) for phase in self.phases)
+
+    def first_bucket_seconds(self, bucket: int) -> float:
+        """What prefetch cannot hide: the first forward bucket and the last gradient bucket."""
+        return sum(
+            self._phase_seconds(phase, bucket) / self._buckets(phase, bucket)
+            for phase in ("forward", "reduce")
+            if phase in self.phases
+        )
+
+    def _buckets(self, phase: str, bucket: int) -> int:
+        parts, _, _, parameters = self.phases[phase]
+        return parameters if bucket == 0 else min(parameters, max(1, math.ceil(parts / bucket)))
+
+    def _phase_seconds(self, phase: str, bucket: int) -> float:
+        _, intra, inter, _ = self.phases[phase]
+        transfer = max(intra / self.cost.intra_node_bytes_per_s, inter / self.cost.inter_node_bytes_per_s)
+        return transfer + self._buckets(phase, bucket) * self.cost.latency_s
+
+
+def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: Config) -> int:
+    """Bytes the option adds over the persistent shards: hpZ's secondary shards, and collective
+    results -- buckets of gathered weights as received (int8 under qwZ) -- in flight and in use."""
+    world, local, block, t = topology.world_size, topology.ranks_per_node, config.weight_block_size, option.techniques
+    forward, backward, secondary = [], [], 0
+    for shard_numel, wire_size, regathered in facts.gathers:
+        int8 = world * payload_numel(shard_numel, block)
+        full = shard_numel * world * wire_size
+        forward.append(int8 if t.quantize_weights else full)
+        if not (regathered and facts.training):
+            continue
+        backward.append(int8 if t.hpz_int8 else full)
+        secondary += (int8 if t.hpz_int8 else full) // local if t.hpz else 0
+    bucket = max(
+        _bucket_received(forward, option.bucket_bytes, world), _bucket_received(backward, option.bucket_bytes, world)
+    )
+    return secondary + (option.prefetch + 2) * bucket
+
+
+def _bucket_received(received: list[int], cap: int, world: int) -> int:
+    """The largest bucket of a phase's gathers as received: parameters merge up to `cap` bytes as
+    sent (world x cap received); none is split; cap 0: one collective per parameter."""
+    if not received:
+        return 0
+    return max(max(received), min(cap * world, sum(received)))
+
+
+def persistent_bytes(state: ShardedState) -> int:
+    """Shards and gradient shards of every parameter of the model, on this rank."""
+    total = 0
+    for spec in state.specs.values():
+        shard = spec.shard_numel * _itemsize(spec.dtype)
+        total += shard * (2 if spec.requires_grad else 1)  # a frozen parameter has no gradient shard
+    return total
+
+
+def zero3_floor_bytes(state: ShardedState) -> int:
+    """The least ZeRO-3 needs: persistent state, one gathered parameter and its full gradient."""
+    largest = max((s.padded_numel * _itemsize(s.compute_dtype or s.dtype) for s in state.specs.values()), default=0)
+    return persistent_bytes(state) + 2 * largest
+
+
+def memory_budget(state: ShardedState) -> int:
+    config = state.config
+    if config.memory_budget_bytes is not None:
+        return config.memory_budget_bytes
+    device = next((s.device for s in state.specs.values()), torch.device("cpu"))
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * DEFAULT_MEMORY_BUDGET_FRACTION)
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(machine / state.topology.ranks_per_node * DEFAULT_MEMORY_BUDGET_FRACTION)
+
+
+def check_budget(state: ShardedState) -> None:
+    """shard(): refuse a budget below what ZeRO-3 itself needs, with the figures."""
+    budget, floor = memory_budget(state), zero3_floor_bytes(state)
+    if budget >= floor:
+        return
+    mb = 1e6
+    raise ShardingError(
+        f"Config(plan='auto', memory_budget_bytes={budget}) cannot hold even ZeRO-3 on this rank: shards and "
+        f"gradient shards take {persistent_bytes(state) / mb:.1f} MB and the largest parameter gathered with "
+        f"its gradient {(floor - persistent_bytes(state)) / mb:.1f} MB, {floor / mb:.1f} MB in all. Raise "
+        f"memory_budget_bytes to at least {floor}, or shard over more ranks."
+    )
+
+
+def resolved_config(config: Config, option: Option, topology: Topology) -> Config:
+    """The manual Config the option stands for: what the passes read."""
+    t = option.techniques
+    return dataclasses.replace(
+        config,
+        plan="manual",
+        memory_budget_bytes=None,
+        allow_lossy=False,
+        quantize_weights=t.quantize_weights,
+        hpz_size=topology.ranks_per_node if t.hpz else None,
+        hpz_quantized_secondary=t.hpz_int8 or not t.hpz,
+        quantize_gradients=t.quantize_gradients,
+        gather_bucket_bytes=option.bucket_bytes,
+        reduce_bucket_bytes=option.bucket_bytes,
+        prefetch_limit=option.prefetch,
+    )
+
+
+def topology_for(plan_config: Config, topology: Topology) -> Topology:
+    """The topology the passes see: without the hpZ group when the plan does not use hpZ."""
+    if plan_config.hpz_enabled:
+        return topology
+    return dataclasses.replace(topology, hpz_size=1, hpz_group_name=None)
+
+
+def describe_links(cost: CostModel) -> str:
+    return (
+        f"links {cost.intra_node_bytes_per_s * 8 / 1e9:.3g} Gbit/s in a node, "
+        f"{cost.inter_node_bytes_per_s * 8 / 1e9:.3g} between nodes; compute {cost.flops_per_s / 1e12:.3g} TFLOP/s"
+    )
