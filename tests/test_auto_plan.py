@@ -20,7 +20,9 @@ TWO_NODES = Topology(world_size=4, rank=0, ranks_per_node=2, world_group_name="w
 ONE_NODE = Topology(world_size=4, rank=0, ranks_per_node=4, world_group_name="world")
 # A GPT-like graph: 24 gathered weights of 64K elements per rank (4 bytes each, all re-gathered in
 # backward, all reduced) and 0.1 s of compute.
-FACTS = GraphFacts(gathers=((65536, 4, True),) * 24, reductions=((65536, 4),) * 24, compute_s=0.1, training=True)
+FACTS = GraphFacts(
+    gathers=((65536, 4, True, None),) * 24, reductions=((65536, 4, None),) * 24, compute_s=0.1, training=True
+)
 SLOW_LINKS = dict(inter_node_gbps=0.1, intra_node_gbps=10.0)
 
 
@@ -180,3 +182,22 @@ def test_a_budget_below_zero3_is_refused_with_the_figures(pools):
     for message in pools(4).run(too_small_budget):
         assert "memory_budget_bytes=1000) cannot hold even ZeRO-3" in message
         assert "MB" in message and "Raise memory_budget_bytes to at least" in message
+
+
+def plan_under_dynamic_shapes() -> tuple:
+    """Each rank compiles with another sequence length (symbolic): FLOPs from its own example sizes
+    would differ between ranks, so the plan must not depend on them."""
+    config = zpp_compile.Config(ranks_per_node=2, plan="auto", lowering="aot_eager", compute_tflops=1.0, **SLOW_LINKS)
+    model = zpp_compile.shard(build("gpt"), config)
+    compiled = torch.compile(model, backend="zeropp", dynamic=True)
+    length = 8 + 2 * dist.get_rank()
+    x, y = batch("gpt", 8, 0)
+    loss_of("gpt", compiled, x[:2, :length], y[:2, :length]).backward()
+    (plan,) = zpp_compile.explain(model).auto_plans
+    reset_process_state()
+    return plan.chosen.option.name, plan.chosen.step_s
+
+
+def test_ranks_compiling_other_sizes_under_dynamic_shapes_choose_alike(pools):
+    results = pools(4).run(plan_under_dynamic_shapes)
+    assert len(set(results)) == 1, results

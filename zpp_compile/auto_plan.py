@@ -6,8 +6,8 @@ about: each gathered parameter (shard size, dtype on the wire, whether its gradi
 and the compute (the cost model's FLOPs of every node). For every option -- a set of ZeRO++
 techniques x a bucket cap x a prefetch depth -- it estimates the step time and the memory
 (estimate()); the fastest option within the memory budget wins, and among options within
-TIE_FRACTION of it the one with the fewest techniques (each costs compile time and, for qwZ,
-forward precision). The result is a plain manual Config, which the passes then follow as if the
+TIE_FRACTION of it the one closest to the defaults: fewest techniques (each costs compile time
+and, for qwZ, forward precision), then the default bucket cap and prefetch depth. The result is a plain manual Config, which the passes then follow as if the
 user had written it: Config(plan="auto") trains exactly as the Config it names in explain().
 
 Every input is the same on every rank (the graph, the agreed cost model, the Config), so every
@@ -17,7 +17,8 @@ The step-time model, per rank (bytes are those this rank sends, split by the lin
 times are bytes / the link's measured bandwidth plus Config.collective_latency_us per collective):
   comm     = forward gathers + backward gathers + gradient reductions (each collective's time is
              that of its slower link)
-  compute  = the graph's FLOPs / compute rate + quantize/dequantize passes (QUANTIZE_FLOPS each element)
+  compute  = per node max(FLOPs / compute rate, bytes read and written / memory rate) + kernel_us,
+             + QUANTIZE_COPIES copies' time per value quantized or dequantized
   step     = compute + comm - overlap * min(compute, comm - first gather bucket - last reduction bucket),
              overlap = prefetch / (prefetch + 1) (0 without prefetch): deeper prefetch hides more of
              the compute-long stretches; the first gather and the last reduction hide behind nothing
@@ -29,8 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -40,17 +41,20 @@ from .codegen.quantize import payload_numel
 from .config import DEFAULT_MEMORY_BUDGET_FRACTION, Config
 from .cost_model import CostModel
 from .layout import ShardedState, ShardingError
+from .passes.buckets import bucket_by_bytes
 from .plan import peak_collective_bytes, weights_gathered_from_inputs
 from .topology import Topology
 
 log = logging.getLogger(__name__)
 
-# Options whose estimates are within this fraction of the fastest count as equally fast.
-TIE_FRACTION = 0.03
-# The cost of quantizing or dequantizing one element, in FLOPs of the measured matmul rate:
-# measured on CPU (docs/qwz_kernels_cpu.md: Inductor quantize + dequantize of 16.7M fp32 values
-# in 24 ms on 2 threads, against ~70 GFLOP/s for the probe matmul).
-QUANTIZE_FLOPS = 100
+# Options whose estimates are within this fraction of the fastest count as equally fast: the
+# plan leaves the defaults (fewest techniques, default buckets and prefetch) only for a clear gain.
+# 10%: what the estimate misses on a CPU the ranks share (quantize kernels and gloo's transfers
+# compete with the compute for the cores; docs/auto_plan.md).
+TIE_FRACTION = 0.10
+# Quantizing or dequantizing one value costs this many fp32 copies (docs/qwz_kernels_cpu.md:
+# Inductor's quantize takes 3.3 copies' time, its dequantize 8.1); CostModel.elementwise_seconds.
+QUANTIZE_COPIES = 6
 BUCKET_CAPS = (0, 2**20, 4 * 2**20, 25 * 2**20)  # as sent per rank, like Config.gather_bucket_bytes; 0: none
 PREFETCH_DEPTHS = (0, 1, 2, 4)
 _zpp = torch.ops.zpp
@@ -101,11 +105,15 @@ class Estimate:
 @dataclasses.dataclass(frozen=True)
 class GraphFacts:
     """What a graph's plan depends on: per gathered parameter (shard elements each rank sends,
-    bytes per element on the wire, gathered again in backward or not), per reduced gradient (shard elements, bytes per element), and
-    the graph's own compute (forward, and backward when it is a joint graph)."""
+    bytes per element on the wire, gathered again in backward or not), per reduced gradient
+    (shard elements, bytes per element), each with its block (passes/buckets.py: a bucket never
+    spans two blocks of a graph cut by block; None: any), and the graph's own compute (forward,
+    and backward when it is a joint graph; 0 under dynamic shapes). Frozen int8 weights and 0-d parameters are
+    left out: they travel alike under every option."""
 
-    gathers: tuple[tuple[int, int, bool], ...]  # ..., and whether the backward gathers it again
-    reductions: tuple[tuple[int, int], ...]
+    # (shard elements, bytes per element, gathered again in backward, block), in graph order
+    gathers: tuple[tuple[int, int, bool, Optional[str]], ...]
+    reductions: tuple[tuple[int, int, Optional[str]], ...]  # (shard elements, bytes per element, block)
     compute_s: float
     training: bool
 
@@ -179,11 +187,18 @@ def best_per_techniques(estimates: list[Estimate]) -> list[Estimate]:
     return sorted(best.values(), key=lambda e: (not e.fits, e.step_s))
 
 
-def choose_plan(gm: fx.GraphModule, state: ShardedState, label: str, *, training: bool) -> AutoPlan:
-    """The plan of one graph (the joint graph when `training`, else the inference graph). Each
-    graph's plan fits the budget on its own: with graph breaks, the hpZ secondary shards of
-    several graphs of one step add up."""
-    facts = graph_facts(gm, state.cost_model, training)
+def choose_plan(
+    gm: fx.GraphModule,
+    state: ShardedState,
+    label: str,
+    *,
+    training: bool,
+    block: Callable[[fx.Node], Optional[str]] = lambda node: None,
+) -> AutoPlan:
+    """The plan of one graph (the joint graph when `training`, else the inference graph); `block`
+    tells a marker's block as bucketing will (passes.blocks_of). Each graph's plan fits the budget
+    on its own: with graph breaks, the hpZ secondary shards of several graphs of one step add up."""
+    facts = graph_facts(gm, state.cost_model, training, block)
     budget = memory_budget(state)
     persistent = persistent_bytes(state)
     estimates = [estimate(o, facts, state.topology, state.cost_model, state.config, budget - persistent)
@@ -214,10 +229,26 @@ def pick(estimates: list[Estimate]) -> Estimate:
         return smallest
     fastest = min(e.step_s for e in fitting)
     close = [e for e in fitting if e.step_s <= fastest * (1 + TIE_FRACTION)]
-    return min(close, key=lambda e: (e.option.techniques.count, e.step_s, e.memory_bytes))
+    return min(close, key=_closeness_to_defaults)
 
 
-def graph_facts(gm: fx.GraphModule, cost_model: CostModel, training: bool) -> GraphFacts:
+def _closeness_to_defaults(e: Estimate) -> tuple:
+    """Fewest techniques first, then the default bucket cap and prefetch depth, then speed."""
+    option, default = e.option, Config()
+    return (
+        option.techniques.count,
+        option.bucket_bytes != default.gather_bucket_bytes,
+        option.prefetch != default.prefetch_limit,
+        e.step_s,
+    )
+
+
+def graph_facts(
+    gm: fx.GraphModule,
+    cost_model: CostModel,
+    training: bool,
+    block: Callable[[fx.Node], Optional[str]] = lambda node: None,
+) -> GraphFacts:
     """Read a graph's gather and reduction markers and add up its compute."""
     regathered = _used_in_backward(gm) if training else set()
     gathers, reductions, compute_s = [], [], 0.0
@@ -226,12 +257,23 @@ def graph_facts(gm: fx.GraphModule, cost_model: CostModel, training: bool) -> Gr
             continue
         if node.target == _zpp.gather_param.default:
             wire = node.kwargs.get("dtype") or node.args[0].meta["val"].dtype
-            gathers.append((node.args[3], _itemsize(wire), node in regathered))
+            gathers.append((node.args[3], _itemsize(wire), node in regathered, block(node)))
         elif node.target == _zpp.reduce_grad.default:
-            reductions.append((node.args[2], node.args[0].meta["val"].element_size()))
+            reductions.append((node.args[2], node.args[0].meta["val"].element_size(), block(node)))
         elif node.target not in _MARKERS:
             compute_s += cost_model.node_seconds(node)
+    if _has_symbolic_shapes(gm):
+        # FLOPs would come from this rank's example sizes, which other ranks may not share: the
+        # plan then weighs the communication alone (weights' sizes are static), alike on every rank.
+        compute_s = 0.0
     return GraphFacts(tuple(gathers), tuple(reductions), compute_s, training)
+
+
+def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    return any(
+        isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+        for v in (n.meta.get("val") for n in gm.graph.nodes)
+    )
 
 
 def _used_in_backward(joint: fx.GraphModule) -> set[fx.Node]:
@@ -289,32 +331,35 @@ def estimate(
     links = _Links(cost, world, local)
     block, gradient_block = config.weight_block_size, config.gradient_block_size
     quantized = 0  # elements quantized or dequantized per step
-    for shard_numel, wire_size, regathered in facts.gathers:
+    for shard_numel, wire_size, regathered, block_name in facts.gathers:
         full = shard_numel * world
         wire = payload_numel(shard_numel, block) if t.quantize_weights else shard_numel * wire_size
-        links.all_gather("forward", wire, world)
+        links.all_gather("forward", wire, world, block_name)
         quantized += (shard_numel + full) if t.quantize_weights else 0
         if not regathered:
             continue
         if t.hpz:  # each rank keeps 1/local of the gathered payloads (int8) or of the full weight
             part = world // local * payload_numel(shard_numel, block) if t.hpz_int8 else full // local * wire_size
-            links.all_gather("backward", part, local)
+            links.all_gather("backward", part, local, block_name)
             quantized += full if t.hpz_int8 else 0
         else:
-            links.all_gather("backward", shard_numel * wire_size, world)
-    for shard_numel, reduce_size in facts.reductions:
+            links.all_gather("backward", shard_numel * wire_size, world, block_name)
+    for shard_numel, reduce_size, block_name in facts.reductions:
         full = shard_numel * world
         if t.quantize_gradients:  # int4 all-to-all in the node, then of the partial sums across nodes
             int4, partial = (
                 chunk_payload_numel(full, gradient_block),
                 chunk_payload_numel(full // local, gradient_block),
             )
-            links.send("reduce", int4, int4 * (local - 1) // local, partial * (nodes - 1) // nodes)
+            links.send(
+                "reduce", full * reduce_size, int4 * (local - 1) // local, partial * (nodes - 1) // nodes, block_name
+            )
             quantized += 2 * full + 2 * full // local
-        else:
-            links.all_gather("reduce", shard_numel * reduce_size, world)  # a reduce-scatter sends the same
+        else:  # a reduce-scatter sends what an all-gather does; its bucket cap counts the full gradient
+            intra, inter = _peer_split(shard_numel * reduce_size, world, local)
+            links.send("reduce", full * reduce_size, intra, inter, block_name)
     comm_s = links.seconds(option.bucket_bytes)
-    compute_s = facts.compute_s + quantized * QUANTIZE_FLOPS / cost.flops_per_s
+    compute_s = facts.compute_s + QUANTIZE_COPIES * cost.elementwise_seconds(quantized)
     overlap = option.prefetch / (option.prefetch + 1)
     hideable = comm_s - links.first_bucket_seconds(option.bucket_bytes)
     step_s = compute_s + comm_s - overlap * min(compute_s, hideable)
@@ -324,45 +369,47 @@ def estimate(
 
 
 class _Links:
-    """Bytes this rank sends per phase and link, and the collectives they take."""
+    """Bytes this rank sends per phase and link, and the buckets they travel in."""
 
     def __init__(self, cost: CostModel, world: int, local: int) -> None:
         self.cost, self.world, self.local = cost, world, local
         self.bytes = {"inter": 0, "intra": 0}
-        # phase -> [bytes of the parts, as bucket caps count them; intra bytes sent; inter bytes sent; parameters]
-        self.phases: dict[str, list[int]] = {}
+        # phase -> one (bytes as the bucket cap counts them, intra bytes, inter bytes, block) per
+        # parameter, in graph order
+        self.phases: dict[str, list[tuple[int, int, int, Optional[str]]]] = {}
 
-    def all_gather(self, phase: str, part: int, group: int) -> None:
+    def all_gather(self, phase: str, part: int, group: int, block: Optional[str]) -> None:
         """An all-gather of a `part` of bytes from each of `group` ranks (a node's ranks first)."""
-        intra_peers = min(group, self.local) - 1
-        self.send(phase, part, part * intra_peers, part * (group - 1 - intra_peers))
+        self.send(phase, part, *_peer_split(part, group, self.local), block)
 
-    def send(self, phase: str, part: int, intra: int, inter: int) -> None:
-        totals = self.phases.setdefault(phase, [0, 0, 0, 0])
-        for i, value in enumerate((part, intra, inter, 1)):
-            totals[i] += value
+    def send(self, phase: str, counted: int, intra: int, inter: int, block: Optional[str]) -> None:
+        self.phases.setdefault(phase, []).append((counted, intra, inter, block))
         self.bytes["intra"] += intra
         self.bytes["inter"] += inter
 
-    def seconds(self, bucket: int) -> float:
-        return sum(self._phase_seconds(phase, bucket) for phase in self.phases)
+    def seconds(self, cap: int) -> float:
+        return sum(self._seconds(bucket) for phase in self.phases for bucket in self._buckets(phase, cap))
 
-    def first_bucket_seconds(self, bucket: int) -> float:
+    def first_bucket_seconds(self, cap: int) -> float:
         """What prefetch cannot hide: the first forward bucket and the last gradient bucket."""
-        return sum(
-            self._phase_seconds(phase, bucket) / self._buckets(phase, bucket)
-            for phase in ("forward", "reduce")
-            if phase in self.phases
-        )
+        ends = [("forward", 0), ("reduce", -1)]
+        return sum(self._seconds(self._buckets(phase, cap)[i]) for phase, i in ends if phase in self.phases)
 
-    def _buckets(self, phase: str, bucket: int) -> int:
-        parts, _, _, parameters = self.phases[phase]
-        return parameters if bucket == 0 else min(parameters, max(1, math.ceil(parts / bucket)))
+    def _buckets(self, phase: str, cap: int) -> list[list[tuple]]:
+        """The phase's parameters as bucketing groups them (passes/buckets.bucket_by_bytes)."""
+        return bucket_by_bytes(self.phases[phase], lambda item: item[0], cap, lambda item: item[3])
 
-    def _phase_seconds(self, phase: str, bucket: int) -> float:
-        _, intra, inter, _ = self.phases[phase]
+    def _seconds(self, bucket: list[tuple]) -> float:
+        intra, inter = sum(item[1] for item in bucket), sum(item[2] for item in bucket)
         transfer = max(intra / self.cost.intra_node_bytes_per_s, inter / self.cost.inter_node_bytes_per_s)
-        return transfer + self._buckets(phase, bucket) * self.cost.latency_s
+        return self.cost.latency_s + transfer
+
+
+def _peer_split(part: int, group: int, local: int) -> tuple[int, int]:
+    """(intra, inter) bytes of sending `part` to every other rank of a group of `group` ranks
+    that starts at a node's first rank."""
+    intra_peers = min(group, local) - 1
+    return part * intra_peers, part * (group - 1 - intra_peers)
 
 
 def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: Config) -> int:
@@ -370,7 +417,7 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
     results -- buckets of gathered weights as received (int8 under qwZ) -- in flight and in use."""
     world, local, block, t = topology.world_size, topology.ranks_per_node, config.weight_block_size, option.techniques
     forward, backward, secondary = [], [], 0
-    for shard_numel, wire_size, regathered in facts.gathers:
+    for shard_numel, wire_size, regathered, _ in facts.gathers:
         int8 = world * payload_numel(shard_numel, block)
         full = shard_numel * world * wire_size
         forward.append(int8 if t.quantize_weights else full)

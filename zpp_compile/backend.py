@@ -244,7 +244,7 @@ def _apply_auto_plan(ctx: passes.PassContext, state: ShardedState, gm: fx.GraphM
     if not ctx.config.auto_plan:
         return
     with ctx.stage_seconds.timed("auto_plan"):
-        plan = auto_plan.choose_plan(gm, state, f"graph{ctx.graph_id}", training=training)
+        plan = auto_plan.choose_plan(gm, state, f"graph{ctx.graph_id}", training=training, block=passes.blocks_of(ctx))
     state.auto_plans.append(plan)
     _RECORDS[ctx.graph_id].auto_plan = plan
     ctx.config = plan.config

@@ -139,7 +139,7 @@ class Config:
     intra_node_gbps: Optional[float] = _field(
         None,
         "the cost model's bandwidth between ranks of one node, Gbit/s per rank; `None` measures it once in "
-        "`shard()` (one all-gather of the world, or, with `plan=\"auto\"` on several nodes, inside each node; the "
+        '`shard()` (one all-gather of the world, or, with `plan="auto"` on several nodes, inside each node; the '
         "slowest rank's value, so all ranks decide alike)",
     )
     inter_node_gbps: Optional[float] = _field(

@@ -48,6 +48,9 @@ class CostModel:
     flops_per_s: float
     latency_s: float = DEFAULT_COLLECTIVE_LATENCY_US / 1e6  # fixed cost of one collective
     kernel_s: float = DEFAULT_KERNEL_US / 1e6  # fixed cost of one compute kernel
+    # Measured for Config(plan="auto") only (a copy, every rank at once): with it a node costs at
+    # least the bytes it reads and writes / this rate (a roofline), so memory-bound work counts.
+    memory_bytes_per_s: Optional[float] = None
 
     def collective_seconds(self, bytes_sent: int, crosses_nodes: bool) -> float:
         bandwidth = self.inter_node_bytes_per_s if crosses_nodes else self.intra_node_bytes_per_s
@@ -57,20 +60,42 @@ class CostModel:
         """Estimated run time of one compute node of a graph (0 for placeholders, views, outputs)."""
         if node.op != "call_function":
             return 0.0
+        return self.kernel_s + max(self._flop_seconds(node), self._memory_seconds(node))
+
+    def elementwise_seconds(self, numel: int) -> float:
+        """One pass over `numel` fp32 values (read and write), at the measured memory rate, else
+        at 10 FLOPs per value."""
+        if self.memory_bytes_per_s:
+            return numel * 8 / self.memory_bytes_per_s
+        return numel * 10 / self.flops_per_s
+
+    def _flop_seconds(self, node: fx.Node) -> float:
         formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
         if formula is None:
-            return self.kernel_s
+            return 0.0
         fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(
             fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs)
         )
         try:
             flops = formula(*fake_args, out_val=node.meta.get("val"), **fake_kwargs)
         except Exception:  # a formula that does not take this overload's arguments: count a kernel
-            return self.kernel_s
+            return 0.0
         # Under dynamic shapes flops is symbolic: take its hint (the example input's value) rather
         # than compare the expression, which would install a guard and recompile on every
         # sequence length that flips a scheduling decision.
-        return self.kernel_s + concrete(flops) / self.flops_per_s
+        return concrete(flops) / self.flops_per_s
+
+    def _memory_seconds(self, node: fx.Node) -> float:
+        if not self.memory_bytes_per_s or _is_view(node):
+            return 0.0
+        values = [n.meta.get("val") for n in (node, *node.all_input_nodes)]
+        moved = sum(concrete(v.numel()) * v.element_size() for v in values if isinstance(v, torch.Tensor))
+        return moved / self.memory_bytes_per_s
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def build_cost_model(
@@ -89,7 +114,8 @@ def build_cost_model(
     if config.intra_node_gbps is None or config.inter_node_gbps is None or config.compute_tflops is None:
         device = device or torch.device("cpu")
         links = _link_groups(config, topology)
-        measured = _remembered(_measure(group, device, links), group, device, nodes=topology.num_nodes if links else 1)
+        rates = _measure(group, device, links, auto=config.auto_plan)
+        measured = _remembered(rates, group, device, nodes=topology.num_nodes if links else 1)
     return CostModel(
         intra_node_bytes_per_s=_given_or(config.intra_node_gbps, measured, "intra_bytes_per_s", "bytes_per_s"),
         inter_node_bytes_per_s=_given_or(config.inter_node_gbps, measured, "inter_bytes_per_s", "bytes_per_s"),
@@ -98,6 +124,7 @@ def build_cost_model(
         if config.collective_latency_us == DEFAULT_COLLECTIVE_LATENCY_US
         else config.collective_latency_us / 1e6,
         kernel_s=config.kernel_us / 1e6,
+        memory_bytes_per_s=measured.get("memory_bytes_per_s"),
     )
 
 
@@ -119,10 +146,13 @@ def _link_groups(config: Config, topology: Optional[Topology]) -> Optional[tuple
 
 
 def _measure(
-    group: Optional[dist.ProcessGroup], device: torch.device, links: Optional[tuple[str, str]] = None
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+    links: Optional[tuple[str, str]] = None,
+    auto: bool = False,
 ) -> dict[str, float]:
-    """All-gather bytes/s per rank (of the world, or of each link) and matmul FLOP/s, each the
-    slowest rank's, on every rank."""
+    """All-gather bytes/s per rank (of the world, or of each link) and matmul FLOP/s, and with
+    `auto` a tiny all-gather's time and a copy's bytes/s, each the slowest rank's, on every rank."""
     groups = {"bytes_per_s": group} if links is None else {
         "intra_bytes_per_s": _resolve_group(links[0]), "inter_bytes_per_s": _resolve_group(links[1]),
     }  # fmt: skip
@@ -131,17 +161,23 @@ def _measure(
         t, b = _all_gather_seconds(g, device, _PROBE_BYTES)
         seconds.append(t)
         sent.append(b)
-    if links is not None:  # an automatic plan also weighs bucket counts: measure a collective's fixed cost
+    if auto:  # an automatic plan also weighs bucket counts and memory-bound work
         seconds.append(max(_all_gather_seconds(g, device, 4 * dist.get_world_size(g))[0] for g in groups.values()))
+        source = torch.ones(_PROBE_BYTES // 4, device=device)
+        target = torch.empty_like(source)
+        target.copy_(source)
+        seconds.append(min(_timed(lambda: target.copy_(source), device) for _ in range(_PROBE_REPEATS)))
     a = torch.randn(_PROBE_MATMUL, _PROBE_MATMUL, device=device)
     a @ a
     seconds.append(min(_timed(lambda: a @ a, device) for _ in range(_PROBE_REPEATS)))
     slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    rates = {name: max(b, 1) / t for name, b, t in zip(groups, sent, slowest.tolist())}
-    if links is not None:
-        rates["latency_s"] = slowest[-2].item()
-    rates["flops_per_s"] = 2 * _PROBE_MATMUL**3 / slowest[-1].item()
+    slowest = slowest.tolist()
+    rates = {name: max(b, 1) / t for name, b, t in zip(groups, sent, slowest)}
+    if auto:
+        rates["latency_s"] = slowest[-3]
+        rates["memory_bytes_per_s"] = 2 * _PROBE_BYTES / slowest[-2]
+    rates["flops_per_s"] = 2 * _PROBE_MATMUL**3 / slowest[-1]
     return rates
 
 
@@ -172,7 +208,7 @@ def _remembered(
     would recompile everything. The rates live next to that cache (rates_file()); every rank
     takes the smallest of what the ranks chose, so they agree even when their files differ.
     """
-    path = rates_file(dist.get_world_size(group), device, nodes)
+    path = rates_file(dist.get_world_size(group), device, nodes, auto="latency_s" in measured)
     stored = _read_rates(path, measured.keys())
     close = stored is not None and all(
         1 / REMEMBERED_RATES_TOLERANCE <= stored[k] / m <= REMEMBERED_RATES_TOLERANCE for k, m in measured.items()
@@ -186,12 +222,13 @@ def _remembered(
     return rates
 
 
-def rates_file(world: int, device: torch.device, nodes: int = 1) -> Path:
-    """Where measured rates are remembered: in Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR)."""
+def rates_file(world: int, device: torch.device, nodes: int = 1, auto: bool = False) -> Path:
+    """Where measured rates are remembered: in Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR);
+    an automatic plan's (more rates, per link) apart."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    links = f"-nodes{nodes}" if nodes > 1 else ""
-    return Path(cache_dir()) / "zpp_compile" / f"rates-world{world}{links}-{device.type}.json"
+    kind = (f"-nodes{nodes}" if nodes > 1 else "") + ("-auto" if auto else "")
+    return Path(cache_dir()) / "zpp_compile" / f"rates-world{world}{kind}-{device.type}.json"
 
 
 def _read_rates(path: Path, names) -> Optional[dict[str, float]]:

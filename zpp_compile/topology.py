@@ -101,7 +101,8 @@ def build_topology(config: Config, *, collective: bool = True) -> Topology:
         hpz_group_name=_hpz_group_name(world, rank, hpz_size, timeout_s),
         **(
             _node_group_names(world, rank, ranks_per_node, timeout_s)
-            if collective and (config.quantize_gradients or (config.auto_plan and (several_nodes or config.allow_lossy)))
+            if collective
+            and (config.quantize_gradients or (config.auto_plan and (several_nodes or config.allow_lossy)))
             else {}
         ),
     )
