@@ -30,6 +30,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from . import auto_plan, comm, compat, compile_sharing, compile_timing, inductor_regions, passes
 from .faults import explained_collective_failures
 from .layout import ShardedState, shard_spec, state_of_shard
+from .passes.buckets import blocks_of
 from .plan import as_scheduled, collectives_in, marker_schedule
 from .process_state import register_reset
 from .schedule_check import CHECKED_RUNS, Schedule, current_parameter_names, maybe_check, parameter_names
@@ -244,7 +245,7 @@ def _apply_auto_plan(ctx: passes.PassContext, state: ShardedState, gm: fx.GraphM
     if not ctx.config.auto_plan:
         return
     with ctx.stage_seconds.timed("auto_plan"):
-        plan = auto_plan.choose_plan(gm, state, f"graph{ctx.graph_id}", training=training, block=passes.blocks_of(ctx))
+        plan = auto_plan.choose_plan(gm, state, f"graph{ctx.graph_id}", training=training, block=blocks_of(ctx))
     state.auto_plans.append(plan)
     _RECORDS[ctx.graph_id].auto_plan = plan
     ctx.config = plan.config

@@ -10,7 +10,7 @@ from typing import Callable
 import torch.fx as fx
 
 from .bucket_collectives import bucket_collectives
-from .buckets import blocks_of, cuts_at_blocks
+from .buckets import cuts_at_blocks
 from .context import PassContext
 from .dedupe_gathers import dedupe_gathers
 from .graph_utils import deferred_recompile
