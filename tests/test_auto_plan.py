@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zpp_compile
-from zpp_compile.auto_plan import GraphFacts, Techniques, estimate, options, pick
+from zpp_compile.auto_plan import Estimate, GraphFacts, Techniques, estimate, options, pick
 from zpp_compile.cost_model import CostModel
 from zpp_compile.topology import Topology
 
@@ -30,7 +30,7 @@ def _cost(inter_gbps: float, intra_gbps: float, tflops: float = 1.0) -> CostMode
     return CostModel(intra_gbps * 1e9 / 8, inter_gbps * 1e9 / 8, tflops * 1e12)
 
 
-def _chosen(topology: Topology, cost: CostModel, headroom: int = 2**40, **config) -> Techniques:
+def _chosen(topology: Topology, cost: CostModel, headroom: int = 2**40, **config) -> Estimate:
     config = zpp_compile.Config(plan="auto", **config)
     estimates = [estimate(o, FACTS, topology, cost, config, headroom) for o in options(topology, config, True)]
     return pick(estimates)

@@ -34,6 +34,7 @@ import os
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from .codegen.int4 import chunk_payload_numel
@@ -199,7 +200,7 @@ def choose_plan(
     tells a marker's block as bucketing will (passes.blocks_of). Each graph's plan fits the budget
     on its own: with graph breaks, the hpZ secondary shards of several graphs of one step add up."""
     facts = graph_facts(gm, state.cost_model, training, block)
-    budget = memory_budget(state)
+    budget = state.memory_budget_bytes
     persistent = persistent_bytes(state)
     estimates = [estimate(o, facts, state.topology, state.cost_model, state.config, budget - persistent)
                  for o in options(state.topology, state.config, training)]  # fmt: skip
@@ -454,20 +455,27 @@ def zero3_floor_bytes(state: ShardedState) -> int:
     return persistent_bytes(state) + 2 * largest
 
 
-def memory_budget(state: ShardedState) -> int:
-    config = state.config
-    if config.memory_budget_bytes is not None:
-        return config.memory_budget_bytes
-    device = next((s.device for s in state.specs.values()), torch.device("cpu"))
+def default_budget(device: torch.device, ranks_per_node: int) -> int:
+    """DEFAULT_MEMORY_BUDGET_FRACTION of the device's memory (CPU: the machine's, per rank of the node)."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory * DEFAULT_MEMORY_BUDGET_FRACTION)
     machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(machine / state.topology.ranks_per_node * DEFAULT_MEMORY_BUDGET_FRACTION)
+    return int(machine / ranks_per_node * DEFAULT_MEMORY_BUDGET_FRACTION)
 
 
-def check_budget(state: ShardedState) -> None:
-    """shard(): refuse a budget below what ZeRO-3 itself needs, with the figures."""
-    budget, floor = memory_budget(state), zero3_floor_bytes(state)
+def settle_budget(state: ShardedState, device: torch.device) -> None:
+    """shard(): the budget every rank plans with (the Config's, else the smallest rank's default:
+    one all-reduce, so ranks on different hardware still choose alike), kept on the state; a
+    budget below what ZeRO-3 itself needs is refused with the figures."""
+    budget = state.config.memory_budget_bytes
+    if budget is None:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        smallest = torch.tensor([default_budget(device, state.topology.ranks_per_node)], device=device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=_resolve_process_group(state.topology.world_group_name))
+        budget = int(smallest.item())
+    state.memory_budget_bytes = budget
+    floor = zero3_floor_bytes(state)
     if budget >= floor:
         return
     mb = 1e6

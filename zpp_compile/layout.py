@@ -126,6 +126,7 @@ class ShardedState:
     grad_sync: str = "sync"
     # Config(plan="auto"): the plan of each graph compiled for this model (auto_plan.AutoPlan), in order.
     auto_plans: list = dataclasses.field(default_factory=list)
+    memory_budget_bytes: int = 0  # Config(plan="auto"): the budget every rank plans with (auto_plan.settle_budget)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 
 from . import dtensor_ops, regather, schedule_check
 from .agreement import agree_on_model
-from .auto_plan import check_budget
+from .auto_plan import settle_budget
 from .codegen.quantize import num_blocks, quantize_packed
 from .config import Config
 from .cost_model import build_cost_model
@@ -105,7 +105,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
             _route_reads_through_gather(module, names)
     _warn_on_block_padding(state)
     if config.auto_plan:
-        check_budget(state)
+        settle_budget(state, device)
     model.register_forward_pre_hook(_refuse_unsharded_parameters)
     if config.param_dtype is not None:
         model.register_forward_pre_hook(_inputs_caster(config.param_dtype), with_kwargs=True)
