@@ -130,6 +130,7 @@ class AutoPlan:
     budget_bytes: int
     persistent_bytes: int
     links: str
+    key: Optional[tuple] = None  # the graph's parameter names and whether it trains (choose_plan)
     # Read off the final graphs once compiled: the most bytes of gathered (and all-to-all) results
     # alive at once per phase (plan.peak_collective_bytes), and hpZ's secondary shards the backward takes.
     peak_collective_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -145,7 +146,7 @@ class AutoPlan:
         self.peak_collective_bytes[phase] = peak_collective_bytes(gm, ops=("all_gather", "all_to_all"))
         if phase == "backward" and self.config.hpz_enabled:
             self.secondary_bytes = weights_gathered_from_inputs(gm)
-        if self.measured_bytes > self.budget_bytes:
+        if phase != "forward" and self.measured_bytes > self.budget_bytes:
             log.warning(
                 "zpp_compile: %s holds %.1f MB once compiled (shards %.1f, hpZ secondary %.1f, collective results "
                 "%.1f), over its %.1f MB budget: the estimate (%s) fell short; lower Config.memory_budget_bytes "
@@ -195,18 +196,25 @@ def choose_plan(
     *,
     training: bool,
     block: Callable[[fx.Node], Optional[str]] = lambda node: None,
+    key: Optional[tuple] = None,
 ) -> AutoPlan:
     """The plan of one graph (the joint graph when `training`, else the inference graph); `block`
     tells a marker's block as bucketing will (passes.blocks_of). Each graph's plan fits the budget
-    on its own: with graph breaks, the hpZ secondary shards of several graphs of one step add up."""
-    facts = graph_facts(gm, state.cost_model, training, block)
+    on its own: with graph breaks, the hpZ secondary shards of several graphs of one step add up.
+    `key` (the graph's parameters and whether it trains): a later graph of the same key -- a
+    recompile for other shapes -- takes the first one's plan, so ranks whose shapes part later
+    (a last short batch, automatic dynamic shapes) still choose alike."""
+    earlier = next((p for p in state.auto_plans if p.key == key), None) if key is not None else None
+    if earlier is not None:  # a recompile (other shapes, dynamic): the first graph's choice stands
+        return dataclasses.replace(earlier, label=label, peak_collective_bytes={}, secondary_bytes=0)
+    facts = graph_facts(gm, state.cost_model, training, block, state.config.save_gathered_weights)
     budget = state.memory_budget_bytes
     persistent = persistent_bytes(state)
     estimates = [estimate(o, facts, state.topology, state.cost_model, state.config, budget - persistent)
                  for o in options(state.topology, state.config, training)]  # fmt: skip
     chosen = pick(estimates)
     plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology),
-                    estimates, budget, persistent, describe_links(state.cost_model))  # fmt: skip
+                    estimates, budget, persistent, describe_links(state.cost_model), key=key)  # fmt: skip
     log.info("zpp_compile: plan of %s", plan)
     return plan
 
@@ -233,13 +241,16 @@ def pick(estimates: list[Estimate]) -> Estimate:
     return min(close, key=_closeness_to_defaults)
 
 
+_DEFAULT = Config()
+
+
 def _closeness_to_defaults(e: Estimate) -> tuple:
     """Fewest techniques first, then the default bucket cap and prefetch depth, then speed."""
-    option, default = e.option, Config()
+    option = e.option
     return (
         option.techniques.count,
-        option.bucket_bytes != default.gather_bucket_bytes,
-        option.prefetch != default.prefetch_limit,
+        option.bucket_bytes != _DEFAULT.gather_bucket_bytes,
+        option.prefetch != _DEFAULT.prefetch_limit,
         e.step_s,
     )
 
@@ -249,9 +260,11 @@ def graph_facts(
     cost_model: CostModel,
     training: bool,
     block: Callable[[fx.Node], Optional[str]] = lambda node: None,
+    save_gathered_weights: bool = False,
 ) -> GraphFacts:
-    """Read a graph's gather and reduction markers and add up its compute."""
-    regathered = _used_in_backward(gm) if training else set()
+    """Read a graph's gather and reduction markers and add up its compute (with
+    Config.save_gathered_weights the backward gathers nothing again)."""
+    regathered = _used_in_backward(gm) if training and not save_gathered_weights else set()
     gathers, reductions, compute_s = [], [], 0.0
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -429,6 +442,8 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
     bucket = max(
         _bucket_received(forward, option.bucket_bytes, world), _bucket_received(backward, option.bucket_bytes, world)
     )
+    if t.quantize_gradients and config.qgz_error_feedback:  # bf16, about one unsharded gradient
+        secondary += sum(2 * shard_numel * world for shard_numel, _, _ in facts.reductions)
     return secondary + (option.prefetch + 2) * bucket
 
 
@@ -444,6 +459,9 @@ def persistent_bytes(state: ShardedState) -> int:
     """Shards and gradient shards of every parameter of the model, on this rank."""
     total = 0
     for spec in state.specs.values():
+        if spec.quantized_block is not None:  # a frozen weight stored as its int8 payload
+            total += payload_numel(spec.shard_numel, spec.quantized_block)
+            continue
         shard = spec.shard_numel * _itemsize(spec.dtype)
         total += shard * (2 if spec.requires_grad else 1)  # a frozen parameter has no gradient shard
     return total
@@ -497,8 +515,10 @@ def resolved_config(config: Config, option: Option, topology: Topology) -> Confi
         allow_lossy=False,
         quantize_weights=t.quantize_weights,
         hpz_size=topology.ranks_per_node if t.hpz else None,
-        hpz_quantized_secondary=t.hpz_int8 or not t.hpz,
+        # Without qwZ only frozen int8 weights can keep an int8 secondary: leave them that default.
+        hpz_quantized_secondary=t.hpz_int8 or not (t.hpz and t.quantize_weights),
         quantize_gradients=t.quantize_gradients,
+        qgz_error_feedback=config.qgz_error_feedback and t.quantize_gradients,
         gather_bucket_bytes=option.bucket_bytes,
         reduce_bucket_bytes=option.bucket_bytes,
         prefetch_limit=option.prefetch,

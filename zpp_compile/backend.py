@@ -245,7 +245,10 @@ def _apply_auto_plan(ctx: passes.PassContext, state: ShardedState, gm: fx.GraphM
     if not ctx.config.auto_plan:
         return
     with ctx.stage_seconds.timed("auto_plan"):
-        plan = auto_plan.choose_plan(gm, state, f"graph{ctx.graph_id}", training=training, block=blocks_of(ctx))
+        plan = auto_plan.choose_plan(
+            gm, state, f"graph{ctx.graph_id}", training=training, block=blocks_of(ctx),
+            key=(ctx.parameter_names, training),
+        )  # fmt: skip
     state.auto_plans.append(plan)
     _RECORDS[ctx.graph_id].auto_plan = plan
     ctx.config = plan.config

@@ -37,11 +37,9 @@ PLANNED_FIELDS = (
     "hpz_size",
     "hpz_quantized_secondary",
     "quantize_gradients",
-    "qgz_error_feedback",
     "gather_bucket_bytes",
     "reduce_bucket_bytes",
     "prefetch_limit",
-    "prefetch_bytes",
 )
 # Config(plan="auto")'s default memory budget per rank: this fraction of the memory of the device
 # the model trains on (a CUDA device's total memory; on the CPU, the machine's memory divided by
@@ -244,8 +242,9 @@ class Config:
     allow_lossy: bool = _field(
         False,
         'with `plan="auto"`: the plan may also choose qgZ (int4 gradients), which changes the numerics of the '
-        "gradient (qwZ is chosen without it: the forward's weights, not the update, see the int8 error). Off: "
-        "gradients are reduced exactly as by ZeRO-3",
+        "gradient (qwZ is chosen without it: it rounds the forward's weights, not the update); with "
+        "`qgz_error_feedback=True` as well, a graph that gets qgZ gets error feedback. Off: gradients are "
+        "reduced exactly as by ZeRO-3",
     )
     dump_graphs_dir: Optional[str] = _field(
         None, "dump every graph before/after every pass to this folder (also `ZPP_DUMP_GRAPHS=dir`)"
@@ -260,7 +259,7 @@ class Config:
         _require_bool(self, "share_compiles")
         _require_bool(self, "hpz_quantized_secondary")
         _require_bool(self, "qgz_error_feedback")
-        if self.qgz_error_feedback and not self.quantize_gradients:
+        if self.qgz_error_feedback and not self.quantize_gradients and not (self.auto_plan and self.allow_lossy):
             raise ValueError("Config.qgz_error_feedback=True needs quantize_gradients=True (it is part of qgZ).")
         _require_bool(self, "save_gathered_weights")
         _require_block_size(self, "weight_block_size", suggestion=256)

@@ -112,7 +112,7 @@ def build_cost_model(
     Config(plan="auto") on several nodes, the links are measured apart: an all-gather inside each
     node and one across nodes (every rank at once, so each gets its share of the node's link), and
     the fixed cost of a collective is measured too (a 4-byte all-gather on the slower link), unless
-    Config.collective_latency_us was set."""
+    Config.collective_latency_us differs from its default."""
     measured: dict[str, float] = {}
     if config.intra_node_gbps is None or config.inter_node_gbps is None or config.compute_tflops is None:
         device = device or torch.device("cpu")

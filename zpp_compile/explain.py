@@ -22,11 +22,11 @@ def explain(model: nn.Module, *inputs: Any, **kwargs: Any) -> CommPlan:
 
     Under Config(plan="auto") the result also holds the plan chosen for each graph compiled so
     far, with the estimated time, bytes and memory of every option weighed; `print()` shows them.
-    Without inputs nothing runs: only those plans are returned (no collective, any rank).
+    Under it, without inputs nothing runs: only those plans are returned (no collective, any rank).
     """
     original = unwrap_compiled(model)
     state = sharded_state(original)
-    if not inputs and not kwargs:
+    if not inputs and not kwargs and state.config.auto_plan:
         return CommPlan([], state.topology, list(state.auto_plans))
     compiled = model if original is not model else torch.compile(model, backend="zeropp")
     params = list(original.parameters())

@@ -109,8 +109,25 @@ def peak_collective_bytes(gm: fx.GraphModule, ops: Optional[Container[str]] = No
 def weights_gathered_from_inputs(gm: fx.GraphModule) -> int:
     """Bytes of the graph inputs that an all-gather reads: in a backward graph, the shards the
     forward handed over to be gathered again (hpZ's secondary shards)."""
-    inputs = {n.args[0] for n in gm.graph.nodes if n.target == _c10d.all_gather_into_tensor.default}
-    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in inputs if n.op == "placeholder")
+    sources: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.target == _c10d.all_gather_into_tensor.default:
+            sources |= _placeholders_behind(node.args[0])
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in sources)
+
+
+def _placeholders_behind(node: fx.Node) -> set[fx.Node]:
+    """The graph inputs a value is computed from (through a bucket's flatten, pad and concat)."""
+    found, todo, seen = set(), [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.add(n)
+        todo.extend(n.all_input_nodes)
+    return found
 
 
 def _last_use(node: fx.Node, position: dict[fx.Node, int]) -> int:
