@@ -98,6 +98,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     zpp.add_argument("--qgz", action="store_true", help="ZeRO++ qgZ: int4 hierarchical gradient all-to-alls")
     zpp.add_argument("--qgz-ef", action="store_true", help="qgZ with error feedback")
     zpp.add_argument("--bf16", action="store_true", help="mixed precision: bf16 gathers and compute, fp32 masters")
+    zpp.add_argument(
+        "--auto-plan",
+        action="store_true",
+        help="Config(plan='auto'): zpp_compile chooses qwZ/hpZ/buckets/prefetch (not with --qwz/--hpz/--qgz)",
+    )
+    zpp.add_argument("--allow-lossy", action="store_true", help="with --auto-plan: the plan may choose qgZ too")
     io = p.add_argument_group("checkpoints and output")
     io.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints to DIR/step_<N>")
     io.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
@@ -153,6 +159,8 @@ def zpp_config(args: argparse.Namespace) -> zpp_compile.Config:
         quantize_gradients=args.qgz or args.qgz_ef,
         qgz_error_feedback=args.qgz_ef,
         param_dtype=torch.bfloat16 if args.bf16 else None,
+        plan="auto" if args.auto_plan else "manual",
+        allow_lossy=args.allow_lossy,
     )
 
 
@@ -165,6 +173,7 @@ def mode_name(args: argparse.Namespace) -> str:
         (f"hpz{args.hpz}", args.hpz),
         ("qgz", args.qgz and not args.qgz_ef),
         ("qgz-ef", args.qgz_ef),
+        ("auto" + ("-lossy" if args.allow_lossy else ""), args.auto_plan),
     )
     features = [name for name, on in flags if on]
     mode = "eager" if args.eager else "+".join([f"compiled-{args.lowering}", *features])
@@ -222,6 +231,8 @@ def main() -> None:
             ):
                 loss = forward_backward(run, loss_fn, micro_batches, no_sync)
             first_step_s = notice.seconds
+            if args.auto_plan and rank == 0:
+                write(str(zpp_compile.explain(model)))  # the plan each graph got, and the options weighed
         else:
             loss = forward_backward(run, loss_fn, micro_batches, no_sync)
         grad_norm = clip_or_measure(model, args.clip)
