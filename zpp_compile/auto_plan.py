@@ -167,10 +167,10 @@ class AutoPlan:
             f"{self.label}: {self.chosen.option.name} (estimated {self.chosen.step_s * 1e3:.1f} ms per step and "
             f"{(self.persistent_bytes + self.chosen.memory_bytes) / mb:.2f} MB{measured}, of a "
             f"{self.budget_bytes / mb:.2f} MB budget; {self.links})",
-            f"  {'option (best variant of each)':<52} {'step ms':>9} {'compute':>8} {'comm':>8} "
+            f"  {'option (chosen *, else the fastest variant)':<52} {'step ms':>9} {'compute':>8} {'comm':>8} "
             f"{'inter MB':>9} {'intra MB':>9} {'added MB':>9}",
         ]
-        for e in best_per_techniques(self.estimates):
+        for e in best_per_techniques(self.estimates, self.chosen):
             mark = "*" if e is self.chosen else ("over budget" if not e.fits else "")
             lines.append(
                 f"  {e.option.name:<52} {e.step_s * 1e3:>9.1f} {e.compute_s * 1e3:>8.1f} {e.comm_s * 1e3:>8.1f} "
@@ -179,10 +179,13 @@ class AutoPlan:
         return "\n".join(lines)
 
 
-def best_per_techniques(estimates: list[Estimate]) -> list[Estimate]:
-    """The fastest estimate of each set of techniques (within budget where one fits), fastest first."""
-    best: dict[Techniques, Estimate] = {}
+def best_per_techniques(estimates: list[Estimate], chosen: Estimate) -> list[Estimate]:
+    """The chosen estimate, and the fastest of each other set of techniques (within budget where
+    one fits), fastest first."""
+    best: dict[Techniques, Estimate] = {chosen.option.techniques: chosen}
     for e in estimates:
+        if e.option.techniques == chosen.option.techniques:
+            continue
         held = best.get(e.option.techniques)
         if held is None or (e.fits, -e.step_s) > (held.fits, -held.step_s):
             best[e.option.techniques] = e

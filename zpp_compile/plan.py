@@ -111,7 +111,7 @@ def weights_gathered_from_inputs(gm: fx.GraphModule) -> int:
     forward handed over to be gathered again (hpZ's secondary shards)."""
     sources: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.target == _c10d.all_gather_into_tensor.default:
+        if node.op == "call_function" and COLLECTIVE_OPS.get(node.target) == "all_gather":
             sources |= _placeholders_behind(node.args[0])
     return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in sources)
 
