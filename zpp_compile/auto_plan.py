@@ -40,7 +40,7 @@ import torch.fx as fx
 from .codegen.int4 import chunk_payload_numel
 from .codegen.quantize import payload_numel
 from .config import DEFAULT_MEMORY_BUDGET_FRACTION, Config
-from .cost_model import CostModel
+from .cost_model import CostModel, resolve_group
 from .layout import ShardedState, ShardingError
 from .passes.buckets import bucket_by_bytes
 from .plan import peak_collective_bytes, weights_gathered_from_inputs
@@ -418,8 +418,7 @@ class _Links:
 
     def _seconds(self, bucket: list[tuple]) -> float:
         intra, inter = sum(item[1] for item in bucket), sum(item[2] for item in bucket)
-        transfer = max(intra / self.cost.intra_node_bytes_per_s, inter / self.cost.inter_node_bytes_per_s)
-        return self.cost.latency_s + transfer
+        return max(self.cost.collective_seconds(intra, False), self.cost.collective_seconds(inter, True))
 
 
 def _peer_split(part: int, group: int, local: int) -> tuple[int, int]:
@@ -490,10 +489,8 @@ def settle_budget(state: ShardedState, device: torch.device) -> None:
     budget below what ZeRO-3 itself needs is refused with the figures."""
     budget = state.config.memory_budget_bytes
     if budget is None:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
         smallest = torch.tensor([default_budget(device, state.topology.ranks_per_node)], device=device)
-        dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=_resolve_process_group(state.topology.world_group_name))
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=resolve_group(state.topology.world_group_name))
         budget = int(smallest.item())
     state.memory_budget_bytes = budget
     floor = zero3_floor_bytes(state)

@@ -118,7 +118,7 @@ def build_cost_model(
         device = device or torch.device("cpu")
         links = _link_groups(config, topology)
         rates = _measure(group, device, links, auto=config.auto_plan)
-        measured = _remembered(rates, group, device, nodes=topology.num_nodes if links else 1)
+        measured = _remembered(rates, group, device, nodes=topology.num_nodes if links else 1, auto=config.auto_plan)
     return CostModel(
         intra_node_bytes_per_s=_given_or(config.intra_node_gbps, measured, "intra_bytes_per_s", "bytes_per_s"),
         inter_node_bytes_per_s=_given_or(config.inter_node_gbps, measured, "inter_bytes_per_s", "bytes_per_s"),
@@ -157,7 +157,7 @@ def _measure(
     """All-gather bytes/s per rank (of the world, or of each link) and matmul FLOP/s, and with
     `auto` a tiny all-gather's time and a copy's bytes/s, each the slowest rank's, on every rank."""
     groups = {"bytes_per_s": group} if links is None else {
-        "intra_bytes_per_s": _resolve_group(links[0]), "inter_bytes_per_s": _resolve_group(links[1]),
+        "intra_bytes_per_s": resolve_group(links[0]), "inter_bytes_per_s": resolve_group(links[1]),
     }  # fmt: skip
     seconds, sent = [], []
     for g in groups.values():
@@ -194,14 +194,18 @@ def _all_gather_seconds(group: Optional[dist.ProcessGroup], device: torch.device
     return best, probe.numel() * 4 * (world - 1)
 
 
-def _resolve_group(group_name: str) -> dist.ProcessGroup:
+def resolve_group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
 
 
 def _remembered(
-    measured: dict[str, float], group: Optional[dist.ProcessGroup], device: torch.device, nodes: int = 1
+    measured: dict[str, float],
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+    nodes: int = 1,
+    auto: bool = False,
 ) -> dict[str, float]:
     """The rates an earlier run on this machine measured, when the new measurement is within
     REMEMBERED_RATES_TOLERANCE of them; else the new ones, which are then remembered.
@@ -211,7 +215,7 @@ def _remembered(
     would recompile everything. The rates live next to that cache (rates_file()); every rank
     takes the smallest of what the ranks chose, so they agree even when their files differ.
     """
-    path = rates_file(dist.get_world_size(group), device, nodes, auto="latency_s" in measured)
+    path = rates_file(dist.get_world_size(group), device, nodes, auto)
     stored = _read_rates(path, measured.keys())
     close = stored is not None and all(
         1 / REMEMBERED_RATES_TOLERANCE <= stored[k] / m <= REMEMBERED_RATES_TOLERANCE for k, m in measured.items()
