@@ -72,13 +72,17 @@ def _zeropp(options: dict) -> tuple[torch.nn.Module, Callable]:
     return model, torch.compile(model, backend="zeropp")
 
 
+def _kept_whole(threshold: int) -> str:
+    return f"; parameters of <= {threshold} elements kept whole" if threshold else ""
+
+
 def plan_of(model: torch.nn.Module) -> dict:
     """Config(plan="auto"): what each graph's plan chose, its estimated and measured bytes."""
     if not zpp_compile.is_sharded(model) or not model._zpp_state.auto_plans:
         return {}
     plans = model._zpp_state.auto_plans
     return {
-        "plan": "; ".join(p.chosen.option.name for p in plans),
+        "plan": "; ".join(p.chosen.option.name for p in plans) + _kept_whole(plans[0].config.keep_whole_numel),
         "plan_estimated_bytes": max(p.persistent_bytes + p.chosen.memory_bytes for p in plans),
         "plan_measured_bytes": max(p.measured_bytes for p in plans),
         "budget_bytes": plans[0].budget_bytes,

@@ -72,6 +72,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--n-layer", type=int, default=4)
     model.add_argument("--n-embd", type=int, default=128)
     model.add_argument("--n-head", type=int, default=4)
+    model.add_argument("--dropout", type=float, default=0.0,
+                       help="hf-gpt2 / hf-llama: dropout probability (GPT-2's default is 0.1)")  # fmt: skip
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=200, help="optimizer steps")
     train.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch")
@@ -98,6 +100,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     zpp.add_argument("--qgz", action="store_true", help="ZeRO++ qgZ: int4 hierarchical gradient all-to-alls")
     zpp.add_argument("--qgz-ef", action="store_true", help="qgZ with error feedback")
     zpp.add_argument("--bf16", action="store_true", help="mixed precision: bf16 gathers and compute, fp32 masters")
+    zpp.add_argument("--keep-whole", type=int, default=0, metavar="N",
+                     help="Config.keep_whole_numel: parameters of at most N elements stay whole on every rank")  # fmt: skip
     zpp.add_argument(
         "--auto-plan",
         action="store_true",
@@ -161,6 +165,7 @@ def zpp_config(args: argparse.Namespace) -> zpp_compile.Config:
         param_dtype=torch.bfloat16 if args.bf16 else None,
         plan="auto" if args.auto_plan else "manual",
         allow_lossy=args.allow_lossy,
+        keep_whole_numel=args.keep_whole,
     )
 
 
@@ -174,6 +179,7 @@ def mode_name(args: argparse.Namespace) -> str:
         ("qgz", args.qgz and not args.qgz_ef),
         ("qgz-ef", args.qgz_ef),
         ("auto" + ("-lossy" if args.allow_lossy else ""), args.auto_plan),
+        (f"whole{args.keep_whole}", args.keep_whole),
     )
     features = [name for name, on in flags if on]
     mode = "eager" if args.eager else "+".join([f"compiled-{args.lowering}", *features])
@@ -190,7 +196,7 @@ def main() -> None:
     train_data, val_data = data[:split], data[split:]
 
     model, loss_fn = build_model(args.model, block_size=args.block_size, n_layer=args.n_layer,
-                                 n_embd=args.n_embd, n_head=args.n_head)  # fmt: skip
+                                 n_embd=args.n_embd, n_head=args.n_head, dropout=args.dropout)  # fmt: skip
     n_params = sum(p.numel() for p in model.parameters())
     zpp_compile.shard(model.to(device), zpp_config(args))  # ZeRO-3: every parameter partitioned across ranks
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)

@@ -61,16 +61,22 @@ MODELS = ("gpt", "hf-gpt2", "hf-llama")
 LossFn = Callable[[Callable[..., Any], Tensor, Tensor], Tensor]
 
 
-def build_model(kind: str, *, block_size: int, n_layer: int, n_embd: int, n_head: int) -> tuple[nn.Module, LossFn]:
+def build_model(
+    kind: str, *, block_size: int, n_layer: int, n_embd: int, n_head: int, dropout: float = 0.0
+) -> tuple[nn.Module, LossFn]:
     """A freshly initialised byte-level model (vocabulary 256) and its loss function.
 
     "gpt" is examples/gpt.py. "hf-gpt2" / "hf-llama" are Hugging Face GPT2LMHeadModel /
-    LlamaForCausalLM built from a config of the same size (nothing downloaded; dropout off, as in
-    the GPT). Every model is scored on the same targets: the cross-entropy of the logits at each of
+    LlamaForCausalLM built from a config of the same size (nothing downloaded; `dropout` is the
+    Hugging Face models' dropout probability everywhere, off by default as in the GPT, which has
+    none; GPT-2's own default is 0.1). Every model is scored on the same targets: the cross-entropy of the logits at each of
     the `block` positions against the next byte, so the three losses are comparable.
     """
     if kind == "gpt":
         from examples.gpt import GPT, GPTConfig
+
+        if dropout:
+            raise ValueError("examples/gpt.py has no dropout: use --model hf-gpt2 or hf-llama with --dropout")
 
         cfg = GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
         return GPT(cfg), lambda run, x, y: run(x, y)
@@ -79,7 +85,7 @@ def build_model(kind: str, *, block_size: int, n_layer: int, n_embd: int, n_head
 
         config = GPT2Config(
             vocab_size=256, n_positions=block_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+            bos_token_id=0, eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
         )  # fmt: skip
         return GPT2LMHeadModel(config), hf_loss
     if kind == "hf-llama":
@@ -88,7 +94,7 @@ def build_model(kind: str, *, block_size: int, n_layer: int, n_embd: int, n_head
         config = LlamaConfig(
             vocab_size=256, hidden_size=n_embd, intermediate_size=_llama_ffn(n_embd), num_hidden_layers=n_layer,
             num_attention_heads=n_head, num_key_value_heads=n_head, max_position_embeddings=block_size,
-            bos_token_id=0, eos_token_id=0, use_cache=False,
+            bos_token_id=0, eos_token_id=0, use_cache=False, attention_dropout=dropout,
         )  # fmt: skip
         return LlamaForCausalLM(config), hf_loss
     raise ValueError(f"unknown model {kind!r}; choose one of {MODELS}")

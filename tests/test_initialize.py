@@ -44,10 +44,10 @@ def unsharded_reference(name: str) -> dict[str, torch.Tensor]:
     return {**model.state_dict(), **dict(model.named_buffers())}
 
 
-def meta_init(name: str) -> dict:
+def meta_init(name: str, keep_whole: int) -> dict:
     with torch.device("meta"):
         model = build(name)
-    zpp_compile.shard(model)
+    zpp_compile.shard(model, zpp_compile.Config(keep_whole_numel=keep_whole))
     torch.manual_seed(4)
     zpp_compile.materialize(model, init=INITS[name])
     full = zpp_compile.full_state_dict(model) | {n: b for n, b in model.named_buffers()}
@@ -61,9 +61,11 @@ def meta_init(name: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("name", ["gpt", "hf_gpt2", "hf_llama"])
-def test_meta_initialization_gives_the_unsharded_values(pools, name):
-    for result in pools(2).run(meta_init, name):
+@pytest.mark.parametrize(
+    "name, keep_whole", [("gpt", 0), ("hf_gpt2", 0), ("hf_llama", 0), ("gpt", 1000), ("hf_llama", 1000)]
+)  # 1000: biases and norms kept whole on every rank (Config.keep_whole_numel)
+def test_meta_initialization_gives_the_unsharded_values(pools, name, keep_whole):
+    for result in pools(2).run(meta_init, name, keep_whole):
         assert result["differ"] == [] and result["trained"], result
 
 

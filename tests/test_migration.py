@@ -81,7 +81,6 @@ def test_hf_zeropp_config_maps_field_by_field():
         "reduce_scatter",
         "stage3_max_live_parameters",
         "stage3_max_reuse_distance",
-        "stage3_param_persistence_threshold",
         "stage3_gather_16bit_weights_on_model_save",
     ):
         assert warned_about(messages, "no effect", f"zero_optimization.{key} ("), key
@@ -334,6 +333,15 @@ DEEPSPEED_ZERO_KEYS = {
 def test_every_deepspeed_zero_key_is_known(key):
     _, messages = from_deepspeed(zero3(**{key: DEEPSPEED_ZERO_KEYS[key]}))
     assert not warned_about(messages, "Unknown")
+
+
+def test_param_persistence_threshold_keeps_small_parameters_whole():
+    config, messages = from_deepspeed(zero3(stage3_param_persistence_threshold=1e5))
+    assert config.keep_whole_numel == 100_000
+    assert not warned_about(messages, "param_persistence_threshold")
+    assert from_deepspeed(zero3(param_persistence_threshold="auto"))[0].keep_whole_numel == 0  # our default
+    _, messages = from_deepspeed(zero3(stage3_model_persistence_threshold=1e9))
+    assert warned_about(messages, "no effect", "stage3_model_persistence_threshold (no cap")
 
 
 def test_overrides_apply_last():

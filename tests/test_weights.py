@@ -20,12 +20,12 @@ def _save_pretrained_once(name: str, folder: str, max_shard_size: str) -> None:
     dist.barrier()
 
 
-def load_pretrained(name: str, folder: str, max_shard_size: str) -> dict:
+def load_pretrained(name: str, folder: str, max_shard_size: str, keep_whole: int = 0) -> dict:
     _save_pretrained_once(name, folder, max_shard_size)
     reference = type(build(name)).from_pretrained(folder)
     with torch.device("meta"):
         model = build(name)
-    zpp_compile.shard(model)
+    zpp_compile.shard(model, zpp_compile.Config(keep_whole_numel=keep_whole))
     peak = peak_bytes_during(lambda: zpp_compile.load_safetensors(model, folder))
     full = zpp_compile.full_state_dict(model)
     x = torch.randint(0, 64, (2, 16))
@@ -46,6 +46,12 @@ def test_safetensors_load_into_a_meta_sharded_model_equals_from_pretrained(pools
     for r in pools(2).run(load_pretrained, name, str(tmp_path / "hf"), max_shard_size):
         assert r["differ"] == [] and r["same_output"], r
         assert r["peak"] <= r["bound"], r  # this rank's shards plus one parameter's rows, at most
+
+
+def test_parameters_kept_whole_load_whole_on_every_rank(pools, tmp_path):
+    for r in pools(2).run(load_pretrained, "hf_llama", str(tmp_path / "hf"), "1GB", 1000):
+        assert r["differ"] == [] and r["same_output"], r
+        assert r["peak"] <= r["bound"], r
 
 
 def full_state_dict_stream() -> dict:

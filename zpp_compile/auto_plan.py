@@ -13,6 +13,9 @@ user had written it: Config(plan="auto") trains exactly as the Config it names i
 Every input is the same on every rank (the graph, the agreed cost model, the Config), so every
 rank chooses alike; the schedule check compares what they then issue.
 
+Per parameter, shard() asks keep_whole_numel() before any graph exists (the layout must be there
+for the optimizer): the small parameters every rank keeps whole, whose gradients are all-reduced.
+
 The step-time model, per rank (bytes are those this rank sends, split by the link they cross;
 times are bytes / the link's measured bandwidth plus Config.collective_latency_us per collective):
   comm     = forward gathers + backward gathers + gradient reductions (each collective's time is
@@ -29,9 +32,10 @@ Memory: shards + gradient shards (every graph) + hpZ secondary shards (from forw
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +45,7 @@ from .codegen.int4 import chunk_payload_numel
 from .codegen.quantize import payload_numel
 from .config import DEFAULT_MEMORY_BUDGET_FRACTION, Config
 from .cost_model import CostModel, resolve_group
-from .layout import ShardedState, ShardingError
+from .layout import ShardedState, ShardingError, ShardSpec
 from .passes.buckets import bucket_by_bytes
 from .plan import peak_collective_bytes, weights_gathered_from_inputs
 from .topology import Topology
@@ -109,14 +113,16 @@ class GraphFacts:
     bytes per element on the wire, gathered again in backward or not), per reduced gradient
     (shard elements, bytes per element), each with its block (passes/buckets.py: a bucket never
     spans two blocks of a graph cut by block; None: any), and the graph's own compute (forward,
-    and backward when it is a joint graph; 0 under dynamic shapes). Frozen int8 weights and 0-d parameters are
-    left out: they travel alike under every option."""
+    and backward when it is a joint graph; 0 under dynamic shapes). Gradients all-reduced (0-d
+    parameters, those kept whole) travel alike under every option; they are in for the step's
+    time and bytes. Frozen int8 weights are left out."""
 
     # (shard elements, bytes per element, gathered again in backward, block), in graph order
     gathers: tuple[tuple[int, int, bool, Optional[str]], ...]
     reductions: tuple[tuple[int, int, Optional[str]], ...]  # (shard elements, bytes per element, block)
     compute_s: float
     training: bool
+    all_reduces: tuple[tuple[int, int], ...] = ()  # (elements, bytes per element) of each gradient all-reduced
 
 
 @dataclasses.dataclass
@@ -163,8 +169,10 @@ class AutoPlan:
     def __str__(self) -> str:
         mb = 1e6
         measured = f"; {self.measured_bytes / mb:.2f} MB once compiled" if self.peak_collective_bytes else ""
+        kept = self.config.keep_whole_numel
+        whole = f", parameters of up to {kept} elements kept whole" if kept else ""
         lines = [
-            f"{self.label}: {self.chosen.option.name} (estimated {self.chosen.step_s * 1e3:.1f} ms per step and "
+            f"{self.label}: {self.chosen.option.name}{whole} (estimated {self.chosen.step_s * 1e3:.1f} ms per step and "
             f"{(self.persistent_bytes + self.chosen.memory_bytes) / mb:.2f} MB{measured}, of a "
             f"{self.budget_bytes / mb:.2f} MB budget; {self.links})",
             f"  {'option (chosen *, else the fastest variant)':<52} {'step ms':>9} {'compute':>8} {'comm':>8} "
@@ -216,7 +224,7 @@ def choose_plan(
     estimates = [estimate(o, facts, state.topology, state.cost_model, state.config, budget - persistent)
                  for o in options(state.topology, state.config, training)]  # fmt: skip
     chosen = pick(estimates)
-    plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology),
+    plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology, state.keep_whole_numel),
                     estimates, budget, persistent, describe_links(state.cost_model), key=key)  # fmt: skip
     log.info("zpp_compile: plan of %s", plan)
     return plan
@@ -268,7 +276,7 @@ def graph_facts(
     """Read a graph's gather and reduction markers and add up its compute (with
     Config.save_gathered_weights the backward gathers nothing again)."""
     regathered = _used_in_backward(gm) if training and not save_gathered_weights else set()
-    gathers, reductions, compute_s = [], [], 0.0
+    gathers, reductions, all_reduces, compute_s = [], [], [], 0.0
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -277,13 +285,16 @@ def graph_facts(
             gathers.append((node.args[3], _itemsize(wire), node in regathered, block(node)))
         elif node.target == _zpp.reduce_grad.default:
             reductions.append((node.args[2], node.args[0].meta["val"].element_size(), block(node)))
+        elif node.target == _zpp.all_reduce_grad.default:
+            grad = node.args[0].meta["val"]
+            all_reduces.append((grad.numel(), grad.element_size()))
         elif node.target not in _MARKERS:
             compute_s += cost_model.node_seconds(node)
     if _has_symbolic_shapes(gm):
         # FLOPs would come from this rank's example sizes, which other ranks may not share: the
         # plan then weighs the communication alone (weights' sizes are static), alike on every rank.
         compute_s = 0.0
-    return GraphFacts(tuple(gathers), tuple(reductions), compute_s, training)
+    return GraphFacts(tuple(gathers), tuple(reductions), compute_s, training, tuple(all_reduces))
 
 
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
@@ -375,6 +386,8 @@ def estimate(
         else:  # a reduce-scatter sends what an all-gather does; its bucket cap counts the full gradient
             intra, inter = _peer_split(shard_numel * reduce_size, world, local)
             links.send("reduce", full * reduce_size, intra, inter, block_name)
+    for numel, size in facts.all_reduces:  # one bucket across blocks (bucket_collectives)
+        links.send("all_reduce", numel * size, *_peer_split(2 * numel * size // world, world, local), None)
     comm_s = links.seconds(option.bucket_bytes)
     compute_s = facts.compute_s + QUANTIZE_COPIES * cost.elementwise_seconds(quantized)
     overlap = option.prefetch / (option.prefetch + 1)
@@ -475,6 +488,49 @@ def zero3_floor_bytes(state: ShardedState) -> int:
     return persistent_bytes(state) + 2 * largest
 
 
+def keep_whole_numel(state: ShardedState) -> int:
+    """shard(): the Config.keep_whole_numel the plan chooses: parameters of at most this many
+    elements are kept whole on every rank (DTensor Replicate) rather than sharded.
+
+    A parameter is small when its gradient's all-reduce sends no more bytes over the slowest link
+    the world spans than that link carries in the fixed cost of one collective (the cost model's
+    latency): its traffic is lost in the collectives' fixed costs either way. Sharded, it would
+    still take a slot in a gather, a regather and a reduction every step (copies into and out of
+    each bucket; under qwZ its shard padded to a whole quantization block); kept whole, its
+    gradient is all-reduced, in one bucket with the others (bucket_collectives). The threshold
+    grows from the smallest parameter up while every parameter below it is small and what they
+    add on this rank (the rest of each parameter, and of its gradient) stays within half of what
+    the budget leaves above ZeRO-3's floor: the other half is the graphs' plans'.
+    """
+    cost, topology = state.cost_model, state.topology
+    world = topology.world_size
+    if cost is None or world == 1:
+        return 0
+    rate = cost.inter_node_bytes_per_s if topology.num_nodes > 1 else cost.intra_node_bytes_per_s
+    headroom = (state.memory_budget_bytes - zero3_floor_bytes(state)) // 2
+    threshold = 0
+    for numel, specs in itertools.groupby(_whole_candidates(state.specs.values()), key=lambda s: s.numel):
+        specs = list(specs)
+        size = max(_itemsize(s.dtype) for s in specs)
+        added = sum((s.numel - s.shard_numel) * _itemsize(s.dtype) * (2 if s.requires_grad else 1) for s in specs)
+        if 2 * numel * size * (world - 1) / world / rate > cost.latency_s or added > headroom:
+            break
+        headroom -= added
+        threshold = numel
+    return threshold
+
+
+def _whole_candidates(specs: Iterable[ShardSpec]) -> list[ShardSpec]:
+    """Parameters Config.keep_whole_numel may keep whole, smallest first: not 0-d (always whole),
+    not frozen weights stored int8 (their payload is sharded)."""
+    return sorted((s for s in specs if s.shape and s.quantized_block is None), key=lambda s: s.numel)
+
+
+def kept_whole(specs: Iterable[ShardSpec], threshold: int) -> set[str]:
+    """The parameters Config.keep_whole_numel=threshold keeps whole."""
+    return {s.fqn for s in _whole_candidates(specs) if s.numel <= threshold}
+
+
 def default_budget(device: torch.device, ranks_per_node: int) -> int:
     """DEFAULT_MEMORY_BUDGET_FRACTION of the device's memory (CPU: the machine's, per rank of the node)."""
     if device.type == "cuda":
@@ -505,8 +561,8 @@ def settle_budget(state: ShardedState, device: torch.device) -> None:
     )
 
 
-def resolved_config(config: Config, option: Option, topology: Topology) -> Config:
-    """The manual Config the option stands for: what the passes read."""
+def resolved_config(config: Config, option: Option, topology: Topology, keep_whole_numel: int = 0) -> Config:
+    """The manual Config the option stands for (with the threshold shard() chose): what the passes read."""
     t = option.techniques
     return dataclasses.replace(
         config,
@@ -522,6 +578,7 @@ def resolved_config(config: Config, option: Option, topology: Topology) -> Confi
         gather_bucket_bytes=option.bucket_bytes,
         reduce_bucket_bytes=option.bucket_bytes,
         prefetch_limit=option.prefetch,
+        keep_whole_numel=keep_whole_numel,
     )
 
 

@@ -40,6 +40,7 @@ PLANNED_FIELDS = (
     "gather_bucket_bytes",
     "reduce_bucket_bytes",
     "prefetch_limit",
+    "keep_whole_numel",
 )
 # Config(plan="auto")'s default memory budget per rank: this fraction of the memory of the device
 # the model trains on (a CUDA device's total memory; on the CPU, the machine's memory divided by
@@ -132,6 +133,13 @@ class Config:
         "collectives in flight at once. Each gather starts early enough, by the cost model, to hide behind "
         "the compute before it; each wait sits right before the first use. 0 turns overlap scheduling off "
         "(each collective is issued where its result is needed, then waited)",
+    )
+    keep_whole_numel: int = _field(
+        0,
+        "parameters of at most this many elements are not sharded: every rank holds them whole and their "
+        "gradients are all-reduced (in one bucket), so biases and norms take no slot in any gather (DeepSpeed's "
+        '`stage3_param_persistence_threshold`). 0: every parameter with a dim is sharded. `plan="auto"` sets '
+        "it from the measured links and the memory budget",
     )
     prefetch_bytes: int = _field(256 * 2**20, "and the most bytes (as received) those in-flight collectives may hold")
     intra_node_gbps: Optional[float] = _field(
@@ -267,6 +275,7 @@ class Config:
         _require_int(self, "gather_bucket_bytes", minimum=0)
         _require_int(self, "reduce_bucket_bytes", minimum=0)
         _require_int(self, "prefetch_limit", minimum=0)
+        _require_int(self, "keep_whole_numel", minimum=0)
         _require_int(self, "prefetch_bytes", minimum=0)
         for name in ("intra_node_gbps", "inter_node_gbps", "compute_tflops"):
             _require_positive_or_none(self, name, none_means="measure it in shard()")

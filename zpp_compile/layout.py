@@ -7,9 +7,11 @@ direction is one way: layout <- sharding, checkpoint, backend.
 The split is FSDP2's: a parameter of shape [d0, *rest] is cut along dim 0 into `world` chunks of
 ceil(d0 / world) rows (torch.chunk; trailing ranks may hold fewer rows, or none), and exposed as a
 DTensor with placement Shard(0) on a 1-D mesh over the world. A 0-d parameter cannot be cut and is
-Replicate(): every rank holds it, and its gradient is all-reduced. The collectives move each rank's
-chunk zero-padded to ceil(d0 / world) rows (`shard_numel` elements), so every rank sends the same
-number of bytes and the gathered buffer is the full tensor, row-major, followed by zeros.
+Replicate(): every rank holds it, and its gradient is all-reduced. So is a parameter of at most
+Config.keep_whole_numel elements (ShardSpec.kept_whole; under plan="auto" the plan sets the
+threshold). The collectives move each rank's chunk zero-padded to ceil(d0 / world) rows
+(`shard_numel` elements), so every rank sends the same number of bytes and the gathered buffer is
+the full tensor, row-major, followed by zeros.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class ShardSpec:
     device: torch.device = torch.device("cpu")  # where the shard lives; moving it later is refused
     plan_id: int = 0  # which shard() call made it: compiled graphs are specialised on it (see gather_full)
     requires_grad: bool = True  # at shard(): whether a gradient shard is to be expected (memory estimates)
+    # Config.keep_whole_numel: every rank holds the whole parameter (Replicate), though it has a dim to cut.
+    kept_whole: bool = False
 
     def __post_init__(self) -> None:
         # What every read of the parameter in forward passes to its gather op, worked out once:
@@ -68,13 +72,16 @@ class ShardSpec:
 
     @property
     def replicated(self) -> bool:
-        """A 0-d parameter: every rank holds all of it (DTensor Replicate)."""
-        return not self.shape
+        """Every rank holds all of it (DTensor Replicate): a 0-d parameter, or one kept whole."""
+        return not self.shape or self.kept_whole
 
     @property
     def rows_per_rank(self) -> int:
-        """Rows of dim 0 in every rank's padded chunk (torch.chunk's chunk size)."""
-        return 1 if self.replicated else ceil_div(self.shape[0], self.group_size)
+        """Rows of dim 0 in every rank's padded chunk (torch.chunk's chunk size; all rows when
+        replicated, 1 for a 0-d parameter)."""
+        if self.replicated:
+            return self.shape[0] if self.shape else 1
+        return ceil_div(self.shape[0], self.group_size)
 
     @property
     def row_numel(self) -> int:
@@ -93,12 +100,19 @@ class ShardSpec:
     def local_rows(self, rank: int) -> int:
         """Rows of dim 0 that `rank` holds (0 for trailing ranks of a short parameter)."""
         if self.replicated:
-            return 1
+            return self.rows_per_rank
         return max(0, min(self.rows_per_rank, self.shape[0] - rank * self.rows_per_rank))
+
+    def row_range(self, rank: int) -> tuple[int, int]:
+        """Rows [start, stop) of dim 0 that `rank` holds ((0, 0) for a 0-d parameter)."""
+        if not self.shape:
+            return 0, 0
+        start = 0 if self.replicated else rank * self.rows_per_rank
+        return start, start + self.local_rows(rank)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """The shape of `rank`'s DTensor local tensor."""
-        return () if self.replicated else (self.local_rows(rank), *self.shape[1:])
+        return self.shape if self.replicated else (self.local_rows(rank), *self.shape[1:])
 
     def local_numel(self, rank: int) -> int:
         return math.prod(self.local_shape(rank))
@@ -106,7 +120,7 @@ class ShardSpec:
     def local_range(self, rank: int) -> tuple[int, int]:
         """Elements [start, stop) of the flattened full parameter that `rank` holds."""
         if self.replicated:
-            return 0, 1
+            return 0, self.numel
         start = min(rank * self.shard_numel, self.numel)
         return start, start + self.local_numel(rank)
 
@@ -127,6 +141,7 @@ class ShardedState:
     # Config(plan="auto"): the plan of each graph compiled for this model (auto_plan.AutoPlan), in order.
     auto_plans: list = dataclasses.field(default_factory=list)
     memory_budget_bytes: int = 0  # Config(plan="auto"): the budget every rank plans with (auto_plan.settle_budget)
+    keep_whole_numel: int = 0  # the Config's, or under plan="auto" the one chosen (auto_plan.keep_whole_numel)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -14,6 +14,7 @@ DeepSpeed key -> Config field:
     zero_optimization.reduce_bucket_size                   reduce_bucket_bytes  } DeepSpeed counts
     zero_optimization.allgather_bucket_size                gather_bucket_bytes  } elements: times 2
     zero_optimization.stage3_prefetch_bucket_size          prefetch_bytes       } under bf16/fp16, 4
+    zero_optimization.stage3_param_persistence_threshold   keep_whole_numel (elements)
     bf16.enabled / fp16.enabled                            param_dtype=torch.bfloat16 / float16
     communication_data_type, else data_types.grad_accum_dtype   reduce_dtype
 A value "auto" (as HF Accelerate writes it) or a key left out keeps zpp_compile's default, not
@@ -134,6 +135,7 @@ _ZERO_KEYS_READ = frozenset(
         "zeropp_loco_param",
         *_ZEROPP_FLAGS,
         *_BUCKETS,
+        "stage3_param_persistence_threshold",
         *_OFFLOAD_SECTIONS,
         *_DEPRECATED_OFFLOAD_FLAGS,
     }
@@ -152,7 +154,10 @@ _STAGE3_PREFIXED = (
 )
 
 _STAGE_1_2_ONLY = "a DeepSpeed stage 1/2 option"
-_EVERY_PARAMETER_SHARDED = "every parameter is sharded, small ones too; gather_bucket_bytes batches small gathers"
+_NO_TOTAL_CAP = (
+    "no cap on the kept-whole parameters' total: keep_whole_numel (from stage3_param_persistence_threshold) "
+    "alone decides, or plan='auto' within its memory budget"
+)
 _FULL_STATE_DICT = "zpp_compile.full_state_dict(model) gathers the full weights, save_checkpoint saves them sharded"
 _MICS = "zpp_compile shards over the whole world (hpz_size keeps a node-local copy for backward)"
 
@@ -170,8 +175,7 @@ _ZERO_KEYS_WITHOUT_EFFECT = {
     "prefetch_bytes bounds what is gathered ahead",
     "stage3_max_reuse_distance": "the compiled graph sees every reuse; save_gathered_weights=True keeps "
     "forward's gathered weights for backward",
-    "stage3_param_persistence_threshold": _EVERY_PARAMETER_SHARDED,
-    "stage3_model_persistence_threshold": _EVERY_PARAMETER_SHARDED,
+    "stage3_model_persistence_threshold": _NO_TOTAL_CAP,
     "stage3_gather_16bit_weights_on_model_save": _FULL_STATE_DICT,
     "stage3_gather_fp16_weights_on_model_save": _FULL_STATE_DICT,
     "stage3_module_granularity_threshold": "gathers are planned per compiled graph, not per module",
@@ -251,6 +255,7 @@ def config_from_deepspeed(ds_config: DeepSpeedConfig, **overrides: Any) -> Confi
     _read_zeropp(zero, translation)
     param_dtype = overrides.get("param_dtype", translation.fields.get("param_dtype"))
     _read_buckets(zero, _element_size(param_dtype), translation)
+    _read_persistence_threshold(zero, translation)
     _read_gradient_clipping(ds, translation)
     _warn_about_keys_not_read(ds, zero, translation)
     return translation.build(overrides)
@@ -457,6 +462,14 @@ def _read_buckets(zero: Mapping[str, Any], element_size: int, translation: _Tran
         if elements is not _UNSET:
             byte_count = _whole_number(elements, path) * element_size
             translation.set(field, byte_count, f"{path}={elements!r} elements x {element_size} bytes")
+
+
+def _read_persistence_threshold(zero: Mapping[str, Any], translation: _Translation) -> None:
+    """DeepSpeed leaves parameters of at most this many elements unpartitioned: keep_whole_numel."""
+    path = "zero_optimization.stage3_param_persistence_threshold"
+    elements = _given(zero, "stage3_param_persistence_threshold", path)
+    if elements is not _UNSET:
+        translation.set("keep_whole_numel", _whole_number(elements, path), f"{path}={elements!r}")
 
 
 def _whole_number(value: Any, path: str) -> int:

@@ -16,6 +16,7 @@ Reading `module.weight` goes through a property on a per-class subclass of the m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import warnings
@@ -30,7 +31,7 @@ from torch.utils._pytree import tree_map
 
 from . import dtensor_ops, regather, schedule_check
 from .agreement import agree_on_model
-from .auto_plan import settle_budget
+from .auto_plan import keep_whole_numel, kept_whole, settle_budget
 from .codegen.quantize import num_blocks, quantize_packed
 from .config import Config
 from .cost_model import build_cost_model
@@ -89,23 +90,24 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
         mesh=dtensor_ops.world_mesh(topology.world_group_name, device.type),
         cost_model=build_cost_model(config, device=device, topology=topology) if config.prefetch_limit else None,
         plan_id=next(_PLAN_IDS),
+        keep_whole_numel=config.keep_whole_numel,
     )
-    plan_id = state.plan_id
+    specs = _specs_by_parameter(model, topology, config, state.plan_id)
+    state.specs = {spec.fqn: spec for spec in specs.values()}
+    if config.auto_plan:  # before any parameter is replaced: a refused budget leaves the model as it was
+        settle_budget(state, device)
+        state.keep_whole_numel = keep_whole_numel(state)
+    _keep_whole(state, specs, kept_whole(specs.values(), state.keep_whole_numel))
     shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its DTensor, so tied weights stay tied
-    for module_name, module in model.named_modules():  # a module reused twice is sharded once
+    for module, name, full in _parameter_slots(model):
+        if id(full) not in shards:
+            shards[id(full)] = _make_sharded_parameter(full, specs[id(full)], state)
+        _place(module, name, shards[id(full)])
+    for module in model.modules():  # the root counts its forward even without parameters of its own
         names = [n for n, p in module._parameters.items() if p is not None]
-        for name in names:
-            full = module._parameters[name]
-            if id(full) not in shards:
-                spec = _spec_for(join_fqn(module_name, name), full, topology, config, plan_id)
-                state.specs[spec.fqn] = spec
-                shards[id(full)] = _make_sharded_parameter(full, spec, state)
-            _place(module, name, shards[id(full)])
-        if names or module is model:  # the root counts its forward even without parameters of its own
+        if names or module is model:
             _route_reads_through_gather(module, names)
     _warn_on_block_padding(state)
-    if config.auto_plan:
-        settle_budget(state, device)
     model.register_forward_pre_hook(_refuse_unsharded_parameters)
     if config.param_dtype is not None:
         model.register_forward_pre_hook(_inputs_caster(config.param_dtype), with_kwargs=True)
@@ -119,6 +121,32 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
 
     install_state_dict_hooks(model)
     return model
+
+
+def _parameter_slots(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, name, parameter) for every parameter slot; a module reused twice counts once, a
+    parameter tied into two slots comes twice."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                yield module, name, param
+
+
+def _specs_by_parameter(model: nn.Module, topology: Topology, config: Config, plan_id: int) -> dict[int, ShardSpec]:
+    """id(full parameter) -> its ShardSpec, named by its first slot (tied weights share one)."""
+    specs: dict[int, ShardSpec] = {}
+    for module_name, module in model.named_modules():
+        for name, full in module._parameters.items():
+            if full is not None and id(full) not in specs:
+                specs[id(full)] = _spec_for(join_fqn(module_name, name), full, topology, config, plan_id)
+    return specs
+
+
+def _keep_whole(state: ShardedState, specs: dict[int, ShardSpec], names: set[str]) -> None:
+    """Mark the named parameters' specs kept whole (replicated on every rank)."""
+    for key, spec in specs.items():
+        if spec.fqn in names:
+            specs[key] = state.specs[spec.fqn] = dataclasses.replace(spec, kept_whole=True)
 
 
 def _place(module: nn.Module, name: str, param: nn.Parameter) -> None:

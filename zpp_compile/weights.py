@@ -230,8 +230,7 @@ def _write(module: nn.Module, name: str, tensor: Tensor, read: RowReader, rank: 
     if spec is None:  # a buffer: every rank holds all of it
         tensor.copy_(read(0, tensor.shape[0] if tensor.dim() else 0))
         return
-    start = rank * spec.rows_per_rank if not spec.replicated else 0
-    rows = read(start, start + spec.local_rows(rank)) if not spec.replicated else read(0, 0)
+    rows = read(*spec.row_range(rank))
     if int8_payload(module, name) is not None:
         _load_into_payload(module, name, tensor, _as_full_rows(rows, tensor, spec, rank), name)
     else:

@@ -1,4 +1,4 @@
-"""bucket_collectives: merge neighbouring all-gathers and reduce-scatters with Inductor's bucketing.
+"""bucket_collectives: merge neighbouring all-gathers, reduce-scatters and all-reduces with Inductor's bucketing.
 
 Runs on the lowered forward and backward graphs (functional collectives, after the quantizing
 passes), so the bytes it counts are the bytes that travel: int8 payloads under qwZ, the in-node
@@ -12,7 +12,12 @@ A merged gather takes the concatenation as its input, not this rank's slot of it
 (Inductor's form, copy_(slot, cat) then all_gather(slot, out=buffer), puts the rank's offset into
 the graph): so every rank's graph is the same, and a host compiles it once (compile_sharing).
 qgZ's all-to-alls are bucketed by qgz itself (Inductor does not bucket all-to-all).
-Caps: Config.gather_bucket_bytes and Config.reduce_bucket_bytes; 0 turns either off.
+All-reduces (gradients of parameters every rank holds whole: 0-d ones, and the small ones
+Config(plan="auto") keeps whole) are tiny, so their buckets span blocks: one collective per step
+rather than one more per block.
+Before:  a = wait(all_reduce(ga, "sum", g)); b = wait(all_reduce(gb, "sum", g))
+After:   ab = wait(all_reduce(cat(ga, gb), "sum", g)); a, b = the slices of ab
+Caps: Config.gather_bucket_bytes and Config.reduce_bucket_bytes (all-reduces too); 0 turns either off.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from torch._inductor.fx_passes.bucketing import (
     bucket_key,
     greedy_bucket_collective_by_mb,
     is_all_gather_into_tensor,
+    is_all_reduce_tensor,
     is_reduce_scatter_tensor,
     merge_all_gather,
+    merge_all_reduce_bucket,
     merge_reduce_scatter,
 )
 
@@ -45,11 +52,13 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     before = _count(gm)
     draws = random_nodes(gm.graph)
     gather_cap, reduce_cap = ctx.config.gather_bucket_bytes, ctx.config.reduce_bucket_bytes
-    for cap, is_kind, merge in (
-        (gather_cap, is_all_gather_into_tensor, merge_all_gather),
-        (reduce_cap, is_reduce_scatter_tensor, merge_reduce_scatter),
+    by_block = blocks_of(ctx)
+    for cap, is_kind, merge, block_of in (
+        (gather_cap, is_all_gather_into_tensor, merge_all_gather, by_block),
+        (reduce_cap, is_reduce_scatter_tensor, merge_reduce_scatter, by_block),
+        (reduce_cap, is_all_reduce_tensor, _merge_all_reduces, lambda node: None),
     ):
-        buckets = _buckets(gm, is_kind, cap, ctx) if cap else []
+        buckets = _buckets(gm, is_kind, cap, block_of) if cap else []
         if buckets:
             merge(gm, buckets, "default")
     _gather_from_concatenation(gm)
@@ -63,14 +72,21 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return finish(gm)
 
 
-def _buckets(gm: fx.GraphModule, is_kind: Callable[[fx.Node], bool], cap: int, ctx: PassContext) -> list:
+def _buckets(
+    gm: fx.GraphModule, is_kind: Callable[[fx.Node], bool], cap: int, block_of: Callable[[fx.Node], object]
+) -> list:
     """Inductor's greedy buckets of one kind of collective, grouped by (group, dtype) as Inductor
     does and, in a graph cut by block, by block: the packing restarts with every block, so each
     block is cut alike."""
-    block_of = blocks_of(ctx)
     return greedy_bucket_collective_by_mb(
         gm, lambda _: cap / _MIB, is_kind, lambda node: (bucket_key(node, "default"), block_of(node))
     )
+
+
+def _merge_all_reduces(gm: fx.GraphModule, buckets: list[list[fx.Node]], mode: str) -> None:
+    for bucket in buckets:
+        if len(bucket) > 1:
+            merge_all_reduce_bucket(gm.graph, bucket, mode)
 
 
 def _gather_from_concatenation(gm: fx.GraphModule) -> None:
