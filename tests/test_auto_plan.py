@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import zpp_compile
 from zpp_compile.auto_plan import Estimate, GraphFacts, Option, Techniques, estimate, options, pick, resolved_config
@@ -170,20 +171,24 @@ def test_the_plan_stays_within_the_memory_budget(pools):
         assert max(r["measured_bytes"]) <= budget
 
 
-def too_small_budget() -> str:
+def too_small_budget() -> tuple[str, bool]:
+    model = build("gpt")
     try:
-        zpp_compile.shard(build("gpt"), zpp_compile.Config(ranks_per_node=2, plan="auto", memory_budget_bytes=1000))
+        zpp_compile.shard(model, zpp_compile.Config(ranks_per_node=2, plan="auto", memory_budget_bytes=1000))
     except zpp_compile.ShardingError as e:
-        return str(e)
+        # Refused before any parameter was replaced: the model is as it was, and can be sharded.
+        untouched = not zpp_compile.is_sharded(model) and not any(isinstance(p, DTensor) for p in model.parameters())
+        return str(e), untouched
     finally:
         reset_process_state()
-    return "no error"
+    return "no error", False
 
 
 def test_a_budget_below_zero3_is_refused_with_the_figures(pools):
-    for message in pools(4).run(too_small_budget):
+    for message, untouched in pools(4).run(too_small_budget):
         assert "memory_budget_bytes=1000) cannot hold even ZeRO-3" in message
         assert "MB" in message and "Raise memory_budget_bytes to at least" in message
+        assert untouched, "a refused budget must leave the model unsharded"
 
 
 def plan_under_dynamic_shapes() -> tuple:
