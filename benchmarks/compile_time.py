@@ -3,6 +3,10 @@
     python benchmarks/compile_time.py [--nproc 4] [--ranks-per-node 2] [--layers 12,24]
         [--configs ddp,zero3,zeropp_full] [--starts cold,warm,mega] [--width 768]
 
+A zeropp config name with "_whole" appended (zero3_whole, zeropp_full_whole) keeps the biases and
+norms whole on every rank (Config.keep_whole_numel=KEEP_WHOLE_NUMEL): graphs with a third of the
+gathers.
+
 Hugging Face GPT-2 built from a config (n_embd --width, --layers deep), 4 CPU processes as 2
 simulated nodes x 2 (gloo). Each (config, depth) runs in fresh processes three ways:
   * cold: a new, empty TORCHINDUCTOR_CACHE_DIR;
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import benchmark_parser, publish, run_workers, tracked  # noqa: E402
 
 CONFIGS = ("ddp", "zero3", "zeropp_full")
+KEEP_WHOLE_NUMEL = 10_000  # GPT-2's 1-d parameters (<= 4 x n_embd elements); its smallest matrix is n_embd^2
 STARTS = ("cold", "warm", "mega")
 SEQ, BATCH, VOCAB = 128, 2, 50257
 # Stages shown as their own column; every other stage is summed into "zeropp passes".
@@ -61,12 +66,12 @@ def _build(name: str, layers: int, width: int, ranks_per_node: int):
         return torch.compile(torch.nn.parallel.DistributedDataParallel(_model(layers, width))), None
     import zpp_compile
 
-    full = name == "zeropp_full"
+    full = name.removesuffix("_whole") == "zeropp_full"
     with torch.device("meta"):
         model = _model(layers, width)
     config = zpp_compile.Config(
         ranks_per_node=ranks_per_node if full else None, quantize_weights=full, hpz_size=ranks_per_node if full else None,
-        quantize_gradients=full,
+        quantize_gradients=full, keep_whole_numel=KEEP_WHOLE_NUMEL if name.endswith("_whole") else 0,
     )  # fmt: skip
     zpp_compile.shard(model, config)
     zpp_compile.materialize(model, init=lambda m: m.init_weights())

@@ -198,7 +198,7 @@ def main() -> None:
     model, loss_fn = build_model(args.model, block_size=args.block_size, n_layer=args.n_layer,
                                  n_embd=args.n_embd, n_head=args.n_head, dropout=args.dropout)  # fmt: skip
     n_params = sum(p.numel() for p in model.parameters())
-    zpp_compile.shard(model.to(device), zpp_config(args))  # ZeRO-3: every parameter partitioned across ranks
+    zpp_compile.shard(model.to(device), zpp_config(args))  # ZeRO-3: parameters partitioned across ranks
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     run = model if args.eager else torch.compile(model, backend="zeropp")
     mode = mode_name(args)

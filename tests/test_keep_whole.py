@@ -3,6 +3,7 @@ gradients all-reduced in one bucket; and the threshold Config(plan="auto") choos
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import zpp_compile
-from zpp_compile.auto_plan import keep_whole_numel, kept_whole
+from zpp_compile.auto_plan import choose_keep_whole_numel, kept_whole_names
 from zpp_compile.cost_model import CostModel
 from zpp_compile.layout import ShardedState, ShardSpec, shard_spec
 from zpp_compile.topology import Topology
@@ -156,12 +157,18 @@ def _spec(fqn: str, *shape: int) -> ShardSpec:
     return ShardSpec(fqn=fqn, shape=shape, numel=numel, group_size=4, group_name="world")
 
 
-SPECS = [_spec("ln.weight", 64), _spec("fc.bias", 256), _spec("fc.weight", 256, 64), _spec("scale")]
+SPECS = [
+    _spec("ln.weight", 64),
+    _spec("fc.bias", 256),
+    _spec("fc.weight", 256, 64),
+    _spec("scale"),
+    _spec("none", 0, 8),
+]
 
 
-def _state(inter_gbps: float, latency_us: float, budget: int = 2**30) -> ShardedState:
+def _state(inter_gbps: float, latency_us: float, budget: int = 2**30, specs: list = SPECS) -> ShardedState:
     cost = CostModel(10e9 / 8, inter_gbps * 1e9 / 8, 1e12, latency_s=latency_us / 1e6)
-    state = ShardedState(zpp_compile.Config(plan="auto"), TWO_NODES, {s.fqn: s for s in SPECS}, cost_model=cost)
+    state = ShardedState(zpp_compile.Config(plan="auto"), TWO_NODES, {s.fqn: s for s in specs}, cost_model=cost)
     state.memory_budget_bytes = budget
     return state
 
@@ -169,11 +176,20 @@ def _state(inter_gbps: float, latency_us: float, budget: int = 2**30) -> Sharded
 def test_the_plan_keeps_whole_what_its_link_moves_within_one_collectives_fixed_cost():
     # 1 Gbit/s between nodes moves 125 bytes per microsecond: an all-reduce of a 256-element fp32
     # bias sends 2 * 1024 * 3/4 = 1536 bytes, 12.3 us; of the 64-element norm, 3.1 us.
-    assert keep_whole_numel(_state(1.0, latency_us=50)) == 256
-    assert keep_whole_numel(_state(1.0, latency_us=5)) == 64
-    assert keep_whole_numel(_state(1.0, latency_us=1)) == 0
-    # The 0-d parameter is replicated anyway, and is never what sets the threshold.
-    assert kept_whole(SPECS, 256) == {"ln.weight", "fc.bias"}
+    assert choose_keep_whole_numel(_state(1.0, latency_us=50)) == 256
+    assert choose_keep_whole_numel(_state(1.0, latency_us=5)) == 64
+    assert choose_keep_whole_numel(_state(1.0, latency_us=1)) == 0
+    # The 0-d parameter is replicated anyway, and is never what sets the threshold; an empty one
+    # stays sharded (as every parameter with a dim does under the default threshold, 0).
+    assert kept_whole_names(SPECS, 256) == {"ln.weight", "fc.bias"}
+    assert kept_whole_names(SPECS, 0) == set()
+
+
+def test_the_plan_prices_the_all_reduce_in_the_reduce_dtype():
+    # In bf16 the 256-element bias sends half the bytes: 6.1 us, under a 10 us fixed cost.
+    assert choose_keep_whole_numel(_state(1.0, latency_us=10)) == 64
+    bf16 = [dataclasses.replace(s, compute_dtype=torch.bfloat16) for s in SPECS]
+    assert choose_keep_whole_numel(_state(1.0, latency_us=10, specs=bf16)) == 256
 
 
 def test_the_plan_keeps_nothing_whole_that_the_budget_cannot_hold():
@@ -181,8 +197,8 @@ def test_the_plan_keeps_nothing_whole_that_the_budget_cannot_hold():
     floor = zpp_compile.auto_plan.zero3_floor_bytes(state)
     # Kept whole, the norm adds 3/4 of its 256 bytes and of its gradient's: 384 bytes, which needs
     # 768 bytes of headroom above the floor (half the headroom is the plan's).
-    assert keep_whole_numel(_state(1.0, latency_us=50, budget=floor + 768)) == 64
-    assert keep_whole_numel(_state(1.0, latency_us=50, budget=floor + 767)) == 0
+    assert choose_keep_whole_numel(_state(1.0, latency_us=50, budget=floor + 768)) == 64
+    assert choose_keep_whole_numel(_state(1.0, latency_us=50, budget=floor + 767)) == 0
 
 
 def test_config_checks_keep_whole_numel():

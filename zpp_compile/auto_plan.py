@@ -13,7 +13,7 @@ user had written it: Config(plan="auto") trains exactly as the Config it names i
 Every input is the same on every rank (the graph, the agreed cost model, the Config), so every
 rank chooses alike; the schedule check compares what they then issue.
 
-Per parameter, shard() asks keep_whole_numel() before any graph exists (the layout must be there
+Per parameter, shard() asks choose_keep_whole_numel() before any graph exists (the layout must be there
 for the optimizer): the small parameters every rank keeps whole, whose gradients are all-reduced.
 
 The step-time model, per rank (bytes are those this rank sends, split by the link they cross;
@@ -224,7 +224,8 @@ def choose_plan(
     estimates = [estimate(o, facts, state.topology, state.cost_model, state.config, budget - persistent)
                  for o in options(state.topology, state.config, training)]  # fmt: skip
     chosen = pick(estimates)
-    plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology, state.keep_whole_numel),
+    plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology,
+                                                   keep_whole_numel=state.keep_whole_numel),
                     estimates, budget, persistent, describe_links(state.cost_model), key=key)  # fmt: skip
     log.info("zpp_compile: plan of %s", plan)
     return plan
@@ -386,8 +387,12 @@ def estimate(
         else:  # a reduce-scatter sends what an all-gather does; its bucket cap counts the full gradient
             intra, inter = _peer_split(shard_numel * reduce_size, world, local)
             links.send("reduce", full * reduce_size, intra, inter, block_name)
-    for numel, size in facts.all_reduces:  # one bucket across blocks (bucket_collectives)
-        links.send("all_reduce", numel * size, *_peer_split(2 * numel * size // world, world, local), None)
+    # Bucketed as bucket_collectives does (across blocks), each bucket counted as one collective:
+    # the counter rounds 2 x bytes / world per collective.
+    for bucket in bucket_by_bytes(list(facts.all_reduces), lambda item: item[0] * item[1], option.bucket_bytes,
+                                  lambda item: None):  # fmt: skip
+        nbytes = sum(numel * size for numel, size in bucket)
+        links.send("all_reduce", nbytes, *_peer_split(2 * nbytes // world, world, local), None)
     comm_s = links.seconds(option.bucket_bytes)
     compute_s = facts.compute_s + QUANTIZE_COPIES * cost.elementwise_seconds(quantized)
     overlap = option.prefetch / (option.prefetch + 1)
@@ -421,8 +426,9 @@ class _Links:
         return sum(self._seconds(bucket) for phase in self.phases for bucket in self._buckets(phase, cap))
 
     def first_bucket_seconds(self, cap: int) -> float:
-        """What prefetch cannot hide: the first forward bucket and the last gradient bucket."""
-        ends = [("forward", 0), ("reduce", -1)]
+        """What prefetch cannot hide: the first forward bucket and the last gradient buckets (the
+        all-reduces of the parameters kept whole wait for the end of backward)."""
+        ends = [("forward", 0), ("reduce", -1), ("all_reduce", -1)]
         return sum(self._seconds(self._buckets(phase, cap)[i]) for phase, i in ends if phase in self.phases)
 
     def _buckets(self, phase: str, cap: int) -> list[list[tuple]]:
@@ -488,19 +494,21 @@ def zero3_floor_bytes(state: ShardedState) -> int:
     return persistent_bytes(state) + 2 * largest
 
 
-def keep_whole_numel(state: ShardedState) -> int:
+def choose_keep_whole_numel(state: ShardedState) -> int:
     """shard(): the Config.keep_whole_numel the plan chooses: parameters of at most this many
     elements are kept whole on every rank (DTensor Replicate) rather than sharded.
 
     A parameter is small when its gradient's all-reduce sends no more bytes over the slowest link
     the world spans than that link carries in the fixed cost of one collective (the cost model's
-    latency): its traffic is lost in the collectives' fixed costs either way. Sharded, it would
+    latency; the gradient travels in its reduce dtype): its traffic is lost in the collectives'
+    fixed costs either way. Sharded, it would
     still take a slot in a gather, a regather and a reduction every step (copies into and out of
     each bucket; under qwZ its shard padded to a whole quantization block); kept whole, its
     gradient is all-reduced, in one bucket with the others (bucket_collectives). The threshold
     grows from the smallest parameter up while every parameter below it is small and what they
     add on this rank (the rest of each parameter, and of its gradient) stays within half of what
-    the budget leaves above ZeRO-3's floor: the other half is the graphs' plans'.
+    the budget leaves above ZeRO-3's floor: the other half is the graphs' plans'. (Like the budget,
+    this leaves the optimizer out: AdamW's two states of a kept-whole parameter are whole too.)
     """
     cost, topology = state.cost_model, state.topology
     world = topology.world_size
@@ -511,7 +519,7 @@ def keep_whole_numel(state: ShardedState) -> int:
     threshold = 0
     for numel, specs in itertools.groupby(_whole_candidates(state.specs.values()), key=lambda s: s.numel):
         specs = list(specs)
-        size = max(_itemsize(s.dtype) for s in specs)
+        size = max(_itemsize(s.reduce_dtype or s.compute_dtype or s.dtype) for s in specs)
         added = sum((s.numel - s.shard_numel) * _itemsize(s.dtype) * (2 if s.requires_grad else 1) for s in specs)
         if 2 * numel * size * (world - 1) / world / rate > cost.latency_s or added > headroom:
             break
@@ -522,11 +530,11 @@ def keep_whole_numel(state: ShardedState) -> int:
 
 def _whole_candidates(specs: Iterable[ShardSpec]) -> list[ShardSpec]:
     """Parameters Config.keep_whole_numel may keep whole, smallest first: not 0-d (always whole),
-    not frozen weights stored int8 (their payload is sharded)."""
-    return sorted((s for s in specs if s.shape and s.quantized_block is None), key=lambda s: s.numel)
+    not empty, not frozen weights stored int8 (their payload is sharded)."""
+    return sorted((s for s in specs if s.numel and s.shape and s.quantized_block is None), key=lambda s: s.numel)
 
 
-def kept_whole(specs: Iterable[ShardSpec], threshold: int) -> set[str]:
+def kept_whole_names(specs: Iterable[ShardSpec], threshold: int) -> set[str]:
     """The parameters Config.keep_whole_numel=threshold keeps whole."""
     return {s.fqn for s in _whole_candidates(specs) if s.numel <= threshold}
 
@@ -561,7 +569,7 @@ def settle_budget(state: ShardedState, device: torch.device) -> None:
     )
 
 
-def resolved_config(config: Config, option: Option, topology: Topology, keep_whole_numel: int = 0) -> Config:
+def resolved_config(config: Config, option: Option, topology: Topology, *, keep_whole_numel: int) -> Config:
     """The manual Config the option stands for (with the threshold shard() chose): what the passes read."""
     t = option.techniques
     return dataclasses.replace(

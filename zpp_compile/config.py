@@ -136,10 +136,12 @@ class Config:
     )
     keep_whole_numel: int = _field(
         0,
-        "parameters of at most this many elements are not sharded: every rank holds them whole and their "
-        "gradients are all-reduced (in one bucket), so biases and norms take no slot in any gather (DeepSpeed's "
-        '`stage3_param_persistence_threshold`). 0: every parameter with a dim is sharded. `plan="auto"` sets '
-        "it from the measured links and the memory budget",
+        "parameters of at most this many elements are not sharded: every rank holds them whole, with their "
+        "gradients and optimizer state, and their gradients are all-reduced (compiled: bucketed up to "
+        "`reduce_bucket_bytes` across blocks; eager: one each), so biases and norms take no slot in any gather "
+        "(DeepSpeed's `stage3_param_persistence_threshold`, whose gradients stay partitioned). Frozen weights "
+        'stored int8 stay sharded. 0: every parameter with a dim is sharded. `plan="auto"` sets it from the '
+        "measured links and the memory budget",
     )
     prefetch_bytes: int = _field(256 * 2**20, "and the most bytes (as received) those in-flight collectives may hold")
     intra_node_gbps: Optional[float] = _field(

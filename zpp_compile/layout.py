@@ -94,8 +94,9 @@ class ShardSpec:
 
     @property
     def padded_numel(self) -> int:
-        """Elements of the gathered buffer: the full parameter followed by zeros."""
-        return self.shard_numel * self.group_size
+        """Elements of the gathered buffer: the full parameter followed by zeros (a replicated
+        parameter is never gathered: its own elements)."""
+        return self.numel if self.replicated else self.shard_numel * self.group_size
 
     def local_rows(self, rank: int) -> int:
         """Rows of dim 0 that `rank` holds (0 for trailing ranks of a short parameter)."""

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 
 from . import dtensor_ops, regather, schedule_check
 from .agreement import agree_on_model
-from .auto_plan import keep_whole_numel, kept_whole, settle_budget
+from .auto_plan import choose_keep_whole_numel, kept_whole_names, settle_budget
 from .codegen.quantize import num_blocks, quantize_packed
 from .config import Config
 from .cost_model import build_cost_model
@@ -96,8 +96,8 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     state.specs = {spec.fqn: spec for spec in specs.values()}
     if config.auto_plan:  # before any parameter is replaced: a refused budget leaves the model as it was
         settle_budget(state, device)
-        state.keep_whole_numel = keep_whole_numel(state)
-    _keep_whole(state, specs, kept_whole(specs.values(), state.keep_whole_numel))
+        state.keep_whole_numel = choose_keep_whole_numel(state)
+    _keep_whole(state, specs, kept_whole_names(specs.values(), state.keep_whole_numel))
     shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its DTensor, so tied weights stay tied
     for module, name, full in _parameter_slots(model):
         if id(full) not in shards:

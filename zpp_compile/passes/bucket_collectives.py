@@ -12,9 +12,10 @@ A merged gather takes the concatenation as its input, not this rank's slot of it
 (Inductor's form, copy_(slot, cat) then all_gather(slot, out=buffer), puts the rank's offset into
 the graph): so every rank's graph is the same, and a host compiles it once (compile_sharing).
 qgZ's all-to-alls are bucketed by qgz itself (Inductor does not bucket all-to-all).
-All-reduces (gradients of parameters every rank holds whole: 0-d ones, and the small ones
-Config(plan="auto") keeps whole) are tiny, so their buckets span blocks: one collective per step
-rather than one more per block.
+All-reduces (gradients of parameters every rank holds whole: 0-d ones, and those of at most
+Config.keep_whole_numel elements; no pass emits others, a model's own sum all-reduces on the world
+group would join them) are small, so their buckets span blocks: one collective per step, up to
+the cap, rather than one more per block.
 Before:  a = wait(all_reduce(ga, "sum", g)); b = wait(all_reduce(gb, "sum", g))
 After:   ab = wait(all_reduce(cat(ga, gb), "sum", g)); a, b = the slices of ab
 Caps: Config.gather_bucket_bytes and Config.reduce_bucket_bytes (all-reduces too); 0 turns either off.
@@ -84,6 +85,8 @@ def _buckets(
 
 
 def _merge_all_reduces(gm: fx.GraphModule, buckets: list[list[fx.Node]], mode: str) -> None:
+    """Inductor merges all-reduces one bucket at a time (its gather and reduce-scatter merges take
+    the list)."""
     for bucket in buckets:
         if len(bucket) > 1:
             merge_all_reduce_bucket(gm.graph, bucket, mode)
