@@ -221,8 +221,14 @@ def choose_plan(
     facts = graph_facts(gm, state.cost_model, training, block, state.config.save_gathered_weights)
     budget = state.memory_budget_bytes
     persistent = persistent_bytes(state)
-    estimates = [estimate(o, facts, state.topology, state.cost_model, state.config, budget - persistent)
-                 for o in options(state.topology, state.config, training)]  # fmt: skip
+    estimates = [
+        e
+        for techniques in technique_sets(state.topology, state.config, training)
+        for cap in BUCKET_CAPS
+        for e in _estimates(
+            techniques, cap, PREFETCH_DEPTHS, facts, state.topology, state.cost_model, state.config, budget - persistent
+        )  # fmt: skip
+    ]
     chosen = pick(estimates)
     plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology,
                                                    keep_whole_numel=state.keep_whole_numel),
@@ -231,7 +237,7 @@ def choose_plan(
     return plan
 
 
-def options(topology: Topology, config: Config, training: bool) -> list[Option]:
+def technique_sets(topology: Topology, config: Config, training: bool) -> list[Techniques]:
     several_nodes = topology.num_nodes > 1 and topology.ranks_per_node > 1
     sets = []
     for qwz in (False, True):
@@ -239,7 +245,17 @@ def options(topology: Topology, config: Config, training: bool) -> list[Option]:
             for hpz_int8 in (False, True) if hpz and qwz else (False,):
                 for qgz in (False, True) if config.allow_lossy and training else (False,):
                     sets.append(Techniques(qwz, hpz, hpz_int8, qgz))
-    return [Option(t, b, p) for t in sets for b in BUCKET_CAPS for p in PREFETCH_DEPTHS]
+    return sets
+
+
+def options(topology: Topology, config: Config, training: bool) -> list[Option]:
+    """Every option the plan weighs: techniques x bucket cap x prefetch depth."""
+    return [
+        Option(t, b, p)
+        for t in technique_sets(topology, config, training)
+        for b in BUCKET_CAPS
+        for p in PREFETCH_DEPTHS
+    ]
 
 
 def pick(estimates: list[Estimate]) -> Estimate:
@@ -277,24 +293,24 @@ def graph_facts(
     """Read a graph's gather and reduction markers and add up its compute (with
     Config.save_gathered_weights the backward gathers nothing again)."""
     regathered = _used_in_backward(gm) if training and not save_gathered_weights else set()
+    # Under symbolic shapes FLOPs would come from this rank's example sizes, which other ranks may
+    # not share: the plan then weighs the communication alone (weights' sizes are static), alike
+    # on every rank.
+    with_compute = not _has_symbolic_shapes(gm)
     gathers, reductions, all_reduces, compute_s = [], [], [], 0.0
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target == _zpp.gather_param.default:
             wire = node.kwargs.get("dtype") or node.args[0].meta["val"].dtype
-            gathers.append((node.args[3], _itemsize(wire), node in regathered, block(node)))
+            gathers.append((node.args[3], wire.itemsize, node in regathered, block(node)))
         elif node.target == _zpp.reduce_grad.default:
             reductions.append((node.args[2], node.args[0].meta["val"].element_size(), block(node)))
         elif node.target == _zpp.all_reduce_grad.default:
             grad = node.args[0].meta["val"]
             all_reduces.append((grad.numel(), grad.element_size()))
-        elif node.target not in _MARKERS:
+        elif with_compute and node.target not in _MARKERS:
             compute_s += cost_model.node_seconds(node)
-    if _has_symbolic_shapes(gm):
-        # FLOPs would come from this rank's example sizes, which other ranks may not share: the
-        # plan then weighs the communication alone (weights' sizes are static), alike on every rank.
-        compute_s = 0.0
     return GraphFacts(tuple(gathers), tuple(reductions), compute_s, training, tuple(all_reduces))
 
 
@@ -347,19 +363,51 @@ _MARKERS = {
 }
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def estimate(
     option: Option, facts: GraphFacts, topology: Topology, cost: CostModel, config: Config, headroom: int
 ) -> Estimate:
     """The option's step time and memory for this graph (the model in the module docstring)."""
-    t = option.techniques
+    (single,) = _estimates(
+        option.techniques, option.bucket_bytes, (option.prefetch,), facts, topology, cost, config, headroom
+    )
+    return single
+
+
+def _estimates(
+    t: Techniques,
+    cap: int,
+    prefetch_depths: tuple[int, ...],
+    facts: GraphFacts,
+    topology: Topology,
+    cost: CostModel,
+    config: Config,
+    headroom: int,
+) -> list[Estimate]:
+    """estimate() for each prefetch depth of one (techniques, bucket cap): the bytes and buckets,
+    hence the communication time, do not depend on the depth, so they are worked out once."""
+    links, quantized = _links(t, cap, facts, topology, cost, config)
+    comm_s, exposed_s = links.seconds()
+    compute_s = facts.compute_s + QUANTIZE_COPIES * cost.elementwise_seconds(quantized)
+    estimates = []
+    for prefetch in prefetch_depths:
+        option = Option(t, cap, prefetch)
+        overlap = prefetch / (prefetch + 1)
+        step_s = compute_s + comm_s - overlap * min(compute_s, comm_s - exposed_s)
+        memory = _plan_memory(option, facts, topology, config)
+        inter, intra = links.bytes("inter"), links.bytes("intra")
+        estimates.append(Estimate(option, step_s, compute_s, comm_s, inter, intra, memory, memory <= headroom))
+    return estimates
+
+
+def _links(
+    t: Techniques, cap: int, facts: GraphFacts, topology: Topology, cost: CostModel, config: Config
+) -> tuple[_Links, int]:
+    """What the techniques send per phase and link, bucketed under `cap`, and how many elements
+    they quantize or dequantize per step."""
     world, local, nodes = topology.world_size, topology.ranks_per_node, topology.num_nodes
-    links = _Links(cost, world, local)
+    links = _Links(cost, world, local, cap)
     block, gradient_block = config.weight_block_size, config.gradient_block_size
-    quantized = 0  # elements quantized or dequantized per step
+    quantized = 0
     for shard_numel, wire_size, regathered, block_name in facts.gathers:
         full = shard_numel * world
         wire = payload_numel(shard_numel, block) if t.quantize_weights else shard_numel * wire_size
@@ -387,28 +435,19 @@ def estimate(
         else:  # a reduce-scatter sends what an all-gather does; its bucket cap counts the full gradient
             intra, inter = _peer_split(shard_numel * reduce_size, world, local)
             links.send("reduce", full * reduce_size, intra, inter, block_name)
-    # Bucketed as bucket_collectives does (across blocks), each bucket counted as one collective:
-    # the counter rounds 2 x bytes / world per collective.
-    for bucket in bucket_by_bytes(list(facts.all_reduces), lambda item: item[0] * item[1], option.bucket_bytes,
-                                  lambda item: None):  # fmt: skip
+    # Bucketed as bucket_collectives does (across blocks), each bucket sent as one collective: the
+    # counter rounds 2 x bytes / world per collective.
+    for bucket in bucket_by_bytes(list(facts.all_reduces), lambda item: item[0] * item[1], cap, lambda item: None):
         nbytes = sum(numel * size for numel, size in bucket)
         links.send("all_reduce", nbytes, *_peer_split(2 * nbytes // world, world, local), None)
-    comm_s = links.seconds(option.bucket_bytes)
-    compute_s = facts.compute_s + QUANTIZE_COPIES * cost.elementwise_seconds(quantized)
-    overlap = option.prefetch / (option.prefetch + 1)
-    hideable = comm_s - links.first_bucket_seconds(option.bucket_bytes)
-    step_s = compute_s + comm_s - overlap * min(compute_s, hideable)
-    memory = _plan_memory(option, facts, topology, config)
-    return Estimate(option, step_s, compute_s, comm_s, links.bytes["inter"], links.bytes["intra"], memory,
-                    memory <= headroom)  # fmt: skip
+    return links, quantized
 
 
 class _Links:
-    """Bytes this rank sends per phase and link, and the buckets they travel in."""
+    """Bytes this rank sends per phase and link, and the buckets (under one cap) they travel in."""
 
-    def __init__(self, cost: CostModel, world: int, local: int) -> None:
-        self.cost, self.world, self.local = cost, world, local
-        self.bytes = {"inter": 0, "intra": 0}
+    def __init__(self, cost: CostModel, world: int, local: int, cap: int) -> None:
+        self.cost, self.world, self.local, self.cap = cost, world, local, cap
         # phase -> one (bytes as the bucket cap counts them, intra bytes, inter bytes, block) per
         # parameter, in graph order
         self.phases: dict[str, list[tuple[int, int, int, Optional[str]]]] = {}
@@ -419,25 +458,34 @@ class _Links:
 
     def send(self, phase: str, counted: int, intra: int, inter: int, block: Optional[str]) -> None:
         self.phases.setdefault(phase, []).append((counted, intra, inter, block))
-        self.bytes["intra"] += intra
-        self.bytes["inter"] += inter
 
-    def seconds(self, cap: int) -> float:
-        return sum(self._seconds(bucket) for phase in self.phases for bucket in self._buckets(phase, cap))
+    def bytes(self, link: str) -> int:
+        """Bytes sent over the "intra" or "inter" node link, every phase."""
+        column = 1 if link == "intra" else 2
+        return sum(item[column] for items in self.phases.values() for item in items)
 
-    def first_bucket_seconds(self, cap: int) -> float:
-        """What prefetch cannot hide: the first forward bucket and the last gradient buckets (the
-        all-reduces of the parameters kept whole wait for the end of backward)."""
+    def seconds(self) -> tuple[float, float]:
+        """(every bucket's time, what prefetch cannot hide: the first forward bucket and the last
+        gradient buckets -- the all-reduces of the parameters kept whole wait for the end of backward)."""
+        times = {
+            phase: [self._seconds(bucket) for bucket in bucket_by_bytes(items, _counted, self.cap, _block)]
+            for phase, items in self.phases.items()
+        }
         ends = [("forward", 0), ("reduce", -1), ("all_reduce", -1)]
-        return sum(self._seconds(self._buckets(phase, cap)[i]) for phase, i in ends if phase in self.phases)
-
-    def _buckets(self, phase: str, cap: int) -> list[list[tuple]]:
-        """The phase's parameters as bucketing groups them (passes/buckets.bucket_by_bytes)."""
-        return bucket_by_bytes(self.phases[phase], lambda item: item[0], cap, lambda item: item[3])
+        exposed = sum(times[phase][i] for phase, i in ends if phase in times)
+        return sum(t for phase_times in times.values() for t in phase_times), exposed
 
     def _seconds(self, bucket: list[tuple]) -> float:
         intra, inter = sum(item[1] for item in bucket), sum(item[2] for item in bucket)
         return max(self.cost.collective_seconds(intra, False), self.cost.collective_seconds(inter, True))
+
+
+def _counted(item: tuple) -> int:  # what the bucket cap counts of a _Links entry
+    return item[0]
+
+
+def _block(item: tuple) -> Optional[str]:
+    return item[3]
 
 
 def _peer_split(part: int, group: int, local: int) -> tuple[int, int]:
@@ -483,14 +531,14 @@ def persistent_bytes(state: ShardedState) -> int:
         if spec.quantized_block is not None:  # a frozen weight stored as its int8 payload
             total += payload_numel(spec.shard_numel, spec.quantized_block)
             continue
-        shard = spec.shard_numel * _itemsize(spec.dtype)
+        shard = spec.shard_numel * spec.dtype.itemsize
         total += shard * (2 if spec.requires_grad else 1)  # a frozen parameter has no gradient shard
     return total
 
 
 def zero3_floor_bytes(state: ShardedState) -> int:
     """The least ZeRO-3 needs: persistent state, one gathered parameter and its full gradient."""
-    largest = max((s.padded_numel * _itemsize(s.compute_dtype or s.dtype) for s in state.specs.values()), default=0)
+    largest = max((s.padded_numel * (s.compute_dtype or s.dtype).itemsize for s in state.specs.values()), default=0)
     return persistent_bytes(state) + 2 * largest
 
 
@@ -519,8 +567,8 @@ def choose_keep_whole_numel(state: ShardedState) -> int:
     threshold = 0
     for numel, specs in itertools.groupby(_whole_candidates(state.specs.values()), key=lambda s: s.numel):
         specs = list(specs)
-        size = max(_itemsize(s.reduce_dtype or s.compute_dtype or s.dtype) for s in specs)
-        added = sum((s.numel - s.shard_numel) * _itemsize(s.dtype) * (2 if s.requires_grad else 1) for s in specs)
+        size = max((s.reduce_dtype or s.compute_dtype or s.dtype).itemsize for s in specs)
+        added = sum((s.numel - s.shard_numel) * s.dtype.itemsize * (2 if s.requires_grad else 1) for s in specs)
         if 2 * numel * size * (world - 1) / world / rate > cost.latency_s or added > headroom:
             break
         headroom -= added

@@ -89,14 +89,15 @@ class CostModel:
         return concrete(flops) / self.flops_per_s
 
     def _memory_seconds(self, node: fx.Node) -> float:
-        if not self.memory_bytes_per_s or _is_view(node):
+        if not self.memory_bytes_per_s or returns_alias(node):
             return 0.0
         values = [n.meta.get("val") for n in (node, *node.all_input_nodes)]
         moved = sum(concrete(v.numel()) * v.element_size() for v in values if isinstance(v, torch.Tensor))
         return moved / self.memory_bytes_per_s
 
 
-def _is_view(node: fx.Node) -> bool:
+def returns_alias(node: fx.Node) -> bool:
+    """Whether the op returns a view of (an alias into) an input: its schema says so."""
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 

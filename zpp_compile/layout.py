@@ -142,7 +142,7 @@ class ShardedState:
     # Config(plan="auto"): the plan of each graph compiled for this model (auto_plan.AutoPlan), in order.
     auto_plans: list = dataclasses.field(default_factory=list)
     memory_budget_bytes: int = 0  # Config(plan="auto"): the budget every rank plans with (auto_plan.settle_budget)
-    keep_whole_numel: int = 0  # the Config's, or under plan="auto" the one chosen (auto_plan.keep_whole_numel)
+    keep_whole_numel: int = 0  # the Config's, or under plan="auto" the one chosen (auto_plan.choose_keep_whole_numel)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -10,6 +10,8 @@ import torch
 import torch.fx as fx
 
 from .comm import Collective, Phase, group_ranks
+from .cost_model import returns_alias
+from .passes.buckets import tensor_bytes
 from .passes.graph_utils import COLLECTIVE_OPS
 from .passes.tag_parameter_inputs import PARAM_INPUT
 from .schedule_check import ScheduledCollective, input_placeholder
@@ -109,16 +111,15 @@ def peak_collective_bytes(gm: fx.GraphModule, ops: Optional[Container[str]] = No
 def weights_gathered_from_inputs(gm: fx.GraphModule) -> int:
     """Bytes of the graph inputs that an all-gather reads: in a backward graph, the shards the
     forward handed over to be gathered again (hpZ's secondary shards)."""
-    sources: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and COLLECTIVE_OPS.get(node.target) == "all_gather":
-            sources |= _placeholders_behind(node.args[0])
-    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in sources)
+    gathered = [
+        n.args[0] for n in gm.graph.nodes if n.op == "call_function" and COLLECTIVE_OPS.get(n.target) == "all_gather"
+    ]
+    return sum(tensor_bytes(n) for n in _placeholders_behind(gathered))
 
 
-def _placeholders_behind(node: fx.Node) -> set[fx.Node]:
-    """The graph inputs a value is computed from (through a bucket's flatten, pad and concat)."""
-    found, todo, seen = set(), [node], set()
+def _placeholders_behind(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The graph inputs values are computed from (through a bucket's flatten, pad and concat)."""
+    found, todo, seen = set(), list(nodes), set()
     while todo:
         n = todo.pop()
         if n in seen:
@@ -140,10 +141,7 @@ def _last_use(node: fx.Node, position: dict[fx.Node, int]) -> int:
 def _aliases_input(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
-    if node.target in _ALIAS_PASSING:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+    return node.target in _ALIAS_PASSING or returns_alias(node)
 
 
 @dataclasses.dataclass

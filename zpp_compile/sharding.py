@@ -97,15 +97,17 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     if config.auto_plan:  # before any parameter is replaced: a refused budget leaves the model as it was
         settle_budget(state, device)
         state.keep_whole_numel = choose_keep_whole_numel(state)
-    _keep_whole(state, specs, kept_whole_names(specs.values(), state.keep_whole_numel))
+    _keep_whole(specs, kept_whole_names(specs.values(), state.keep_whole_numel))
+    state.specs = {spec.fqn: spec for spec in specs.values()}
     shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its DTensor, so tied weights stay tied
-    for module, name, full in _parameter_slots(model):
-        if id(full) not in shards:
-            shards[id(full)] = _make_sharded_parameter(full, specs[id(full)], state)
-        _place(module, name, shards[id(full)])
-    for module in model.modules():  # the root counts its forward even without parameters of its own
+    for module in model.modules():  # a module reused twice is sharded once
         names = [n for n, p in module._parameters.items() if p is not None]
-        if names or module is model:
+        for name in names:
+            full = module._parameters[name]
+            if id(full) not in shards:
+                shards[id(full)] = _make_sharded_parameter(full, specs[id(full)], state)
+            _place(module, name, shards[id(full)])
+        if names or module is model:  # the root counts its forward even without parameters of its own
             _route_reads_through_gather(module, names)
     _warn_on_block_padding(state)
     model.register_forward_pre_hook(_refuse_unsharded_parameters)
@@ -123,15 +125,6 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     return model
 
 
-def _parameter_slots(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
-    """(module, name, parameter) for every parameter slot; a module reused twice counts once, a
-    parameter tied into two slots comes twice."""
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                yield module, name, param
-
-
 def _specs_by_parameter(model: nn.Module, topology: Topology, config: Config, plan_id: int) -> dict[int, ShardSpec]:
     """id(full parameter) -> its ShardSpec, named by its first slot (tied weights share one)."""
     specs: dict[int, ShardSpec] = {}
@@ -142,11 +135,11 @@ def _specs_by_parameter(model: nn.Module, topology: Topology, config: Config, pl
     return specs
 
 
-def _keep_whole(state: ShardedState, specs: dict[int, ShardSpec], names: set[str]) -> None:
+def _keep_whole(specs: dict[int, ShardSpec], names: set[str]) -> None:
     """Mark the named parameters' specs kept whole (replicated on every rank)."""
     for key, spec in specs.items():
         if spec.fqn in names:
-            specs[key] = state.specs[spec.fqn] = dataclasses.replace(spec, kept_whole=True)
+            specs[key] = dataclasses.replace(spec, kept_whole=True)
 
 
 def _place(module: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -342,8 +335,8 @@ def local_chunk(full: Tensor, spec: ShardSpec, rank: int) -> Tensor:
     """`rank`'s part of a full tensor of spec's shape (a parameter or its gradient), as a copy."""
     if spec.replicated:
         return full.detach().clone()
-    rows = spec.rows_per_rank
-    return full.detach()[rank * rows : rank * rows + spec.local_rows(rank)].clone()
+    start, stop = spec.row_range(rank)
+    return full.detach()[start:stop].clone()
 
 
 def padded_flat_chunk(local: Tensor, spec: ShardSpec) -> Tensor:
