@@ -22,7 +22,7 @@ ONE_NODE = Topology(world_size=4, rank=0, ranks_per_node=4, world_group_name="wo
 # A GPT-like graph: 24 gathered weights of 64K elements per rank (4 bytes each, all re-gathered in
 # backward, all reduced) and 0.1 s of compute.
 FACTS = GraphFacts(
-    gathers=((65536, 4, True, None),) * 24, reductions=((65536, 4, None),) * 24, compute_s=0.1, training=True
+    gathers=((65536, 4, True, False, None),) * 24, reductions=((65536, 4, None),) * 24, compute_s=0.1, training=True
 )
 SLOW_LINKS = dict(inter_node_gbps=0.1, intra_node_gbps=10.0)
 

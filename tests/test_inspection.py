@@ -27,13 +27,15 @@ def _one_compiled_step(config: zpp_compile.Config):
     return model
 
 
-def saved_numels(save_gathered_weights: bool) -> list[list[int]]:
-    _one_compiled_step(zpp_compile.Config(save_gathered_weights=save_gathered_weights))
+def saved_numels(save_gathered_weights: bool, keep_last: bool = False) -> list[list[int]]:
+    config = zpp_compile.Config(save_gathered_weights=save_gathered_weights, keep_last_weights_gathered=keep_last)
+    _one_compiled_step(config)
     return [[t.numel() for t in record.saved_for_backward] for record in compiled_graphs()]
 
 
-def backward_gathers() -> list[int]:
-    _one_compiled_step(zpp_compile.Config(gather_bucket_bytes=0))  # one gather per weight, to count
+def backward_gathers(keep_last: bool) -> list[int]:
+    # One gather per weight, to count.
+    _one_compiled_step(zpp_compile.Config(gather_bucket_bytes=0, keep_last_weights_gathered=keep_last))
     c10d = torch.ops._c10d_functional
     return [
         sum(n.target == c10d.all_gather_into_tensor.default for n in record.backward.graph.nodes)
@@ -52,10 +54,16 @@ def test_the_saved_weight_check_can_see_a_saved_weight(pools):
     assert any(FULL_WEIGHT_NUMELS & set(per_graph) for per_graph in saved), saved
 
 
+def test_the_last_weight_read_is_kept_for_backward_in_a_model_without_blocks(pools):
+    # OddMLP has no repeated block: only fc2's weight, the forward's last read, is saved.
+    for per_graph in pools(2).run(saved_numels, False, True)[0]:
+        assert FULL_WEIGHT_NUMELS & set(per_graph) == {7 * 29}, per_graph
+
+
 def test_backward_regathers_the_weights_it_needs(pools):
     # frozen.weight and fc2.weight are needed for input gradients; fc1's are not (x needs no grad),
-    # and the 0-d scale is replicated (nothing to gather).
-    assert pools(2).run(backward_gathers)[0] == [2]
+    # and the 0-d scale is replicated (nothing to gather). Kept from forward: fc2's.
+    assert [pools(2).run(backward_gathers, keep_last)[0] for keep_last in (False, True)] == [[2], [1]]
 
 
 def counted_bytes(mode: str, bucket_bytes: int = 0) -> dict:

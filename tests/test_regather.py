@@ -24,6 +24,21 @@ def _linear_stack() -> nn.Module:
     return nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)))
 
 
+class _NoBlocks(nn.Module):
+    """Named layers, no repeated block: only the last weight read stays gathered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle, self.last = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.middle(torch.tanh(self.first(x)))))
+
+
+_BUILT_HERE = {"linears": _linear_stack, "no_blocks": _NoBlocks}
+
+
 class _GatheredWeights(TorchDispatchMode):
     """Weak references to the storage of every weight the eager forward gathers."""
 
@@ -41,14 +56,15 @@ class _GatheredWeights(TorchDispatchMode):
         return sum(not s.expired() for s in self.storages)
 
 
-def eager_step(name: str, save_gathered_weights: bool, user_hooks: bool = False) -> dict:
+def eager_step(name: str, save_gathered_weights: bool, user_hooks: bool = False, keep_last: bool = True) -> dict:
     """One eager forward and backward: how many gathered weights are still live after the forward
     (the loss holds the graph), the backward's all-gathers and the gradient shards."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    model = _linear_stack() if name == "linears" else build(name)
-    zpp_compile.shard(model, zpp_compile.Config(save_gathered_weights=save_gathered_weights))
-    if name == "linears":
+    model = _BUILT_HERE[name]() if name in _BUILT_HERE else build(name)
+    config = zpp_compile.Config(save_gathered_weights=save_gathered_weights, keep_last_weights_gathered=keep_last)
+    zpp_compile.shard(model, config)
+    if name in _BUILT_HERE:
         x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(rank))
         forward = lambda: model(x).square().mean()  # noqa: E731
     else:
@@ -93,10 +109,31 @@ def test_the_backward_gathers_again_instead_of_keeping_the_forwards_weights(pool
 def test_regathered_weights_give_the_kept_weights_gradients_on_models_we_did_not_write(pools, name):
     # GPT-2 ties lm_head to the embedding and drops out (the seed is the same in both runs); Llama's
     # nn.Linear saves a transposed view of the weight.
-    regathered, kept = (pools(2).run(eager_step, name, save) for save in (False, True))
+    regathered, tail_kept, kept = (
+        pools(2).run(eager_step, name, save, False, keep_last)
+        for save, keep_last in ((False, False), (False, True), (True, False))
+    )
+    # The weights outside the blocks the forward reads last: GPT-2's final norm and tied head
+    # (weight, bias, embedding), Llama's final norm and head.
+    tail = {"hf_gpt2_dropout": 3, "hf_llama": 2}[name]
     for rank in range(2):
         assert regathered[rank]["live_after_forward"] == 0 < kept[rank]["live_after_forward"]
         assert regathered[rank]["backward_gathers"] == kept[rank]["live_after_forward"]
+        assert tail_kept[rank]["live_after_forward"] == tail
+        assert tail_kept[rank]["backward_gathers"] == regathered[rank]["backward_gathers"] - tail
+        for param, grad in kept[rank]["grads"].items():
+            assert torch.equal(regathered[rank]["grads"][param], grad), param
+            assert torch.equal(tail_kept[rank]["grads"][param], grad), param
+
+
+@pytest.mark.parametrize("keep_last", [False, True])
+def test_without_repeated_blocks_only_the_last_weight_read_stays_gathered(pools, keep_last):
+    regathered, kept = (pools(2).run(eager_step, "no_blocks", save, False, keep_last) for save in (False, True))
+    for rank in range(2):
+        # Kept whole, `middle` and `last` (the first layer's input needs no gradient).
+        assert kept[rank]["live_after_forward"] == 2
+        assert regathered[rank]["live_after_forward"] == int(keep_last)
+        assert regathered[rank]["backward_gathers"] == 2 - int(keep_last)
         for param, grad in kept[rank]["grads"].items():
             assert torch.equal(regathered[rank]["grads"][param], grad), param
 

@@ -47,6 +47,7 @@ from .config import DEFAULT_MEMORY_BUDGET_FRACTION, Config
 from .cost_model import CostModel, resolve_group
 from .layout import ShardedState, ShardingError, ShardSpec
 from .passes.buckets import bucket_by_bytes
+from .passes.graph_utils import backward_nodes
 from .plan import peak_collective_bytes, weights_gathered_from_inputs
 from .topology import Topology
 
@@ -110,15 +111,16 @@ class Estimate:
 @dataclasses.dataclass(frozen=True)
 class GraphFacts:
     """What a graph's plan depends on: per gathered parameter (shard elements each rank sends,
-    bytes per element on the wire, gathered again in backward or not), per reduced gradient
+    bytes per element on the wire, read in backward or not, kept gathered for it or not), per reduced gradient
     (shard elements, bytes per element), each with its block (passes/buckets.py: a bucket never
     spans two blocks of a graph cut by block; None: any), and the graph's own compute (forward,
     and backward when it is a joint graph; 0 under dynamic shapes). Gradients all-reduced (0-d
     parameters, those kept whole) travel alike under every option; they are in for the step's
     time and bytes. Frozen int8 weights are left out."""
 
-    # (shard elements, bytes per element, gathered again in backward, block), in graph order
-    gathers: tuple[tuple[int, int, bool, Optional[str]], ...]
+    # (shard elements, bytes per element, read in backward, kept gathered for it unless qwZ runs,
+    # block), in graph order
+    gathers: tuple[tuple[int, int, bool, bool, Optional[str]], ...]
     reductions: tuple[tuple[int, int, Optional[str]], ...]  # (shard elements, bytes per element, block)
     compute_s: float
     training: bool
@@ -208,17 +210,19 @@ def choose_plan(
     training: bool,
     block: Callable[[fx.Node], Optional[str]] = lambda node: None,
     key: Optional[tuple] = None,
+    kept: frozenset[fx.Node] = frozenset(),
 ) -> AutoPlan:
     """The plan of one graph (the joint graph when `training`, else the inference graph); `block`
     tells a marker's block as bucketing will (passes.blocks_of). Each graph's plan fits the budget
     on its own: with graph breaks, the hpZ secondary shards of several graphs of one step add up.
     `key` (the graph's parameters and whether it trains): a later graph of the same key -- a
     recompile for other shapes -- takes the first one's plan, so ranks whose shapes part later
-    (a last short batch, automatic dynamic shapes) still choose alike."""
+    (a last short batch, automatic dynamic shapes) still choose alike. `kept`: the gathers whose
+    weights stay gathered into the backward unless qwZ is chosen (passes.kept_for_backward)."""
     earlier = next((p for p in state.auto_plans if p.key == key), None) if key is not None else None
     if earlier is not None:  # a recompile (other shapes, dynamic): the first graph's choice stands
         return dataclasses.replace(earlier, label=label, peak_collective_bytes={}, secondary_bytes=0)
-    facts = graph_facts(gm, state.cost_model, training, block, state.config.save_gathered_weights)
+    facts = graph_facts(gm, state.cost_model, training, block, state.config.save_gathered_weights, kept)
     budget = state.memory_budget_bytes
     persistent = persistent_bytes(state)
     estimates = [
@@ -289,9 +293,11 @@ def graph_facts(
     training: bool,
     block: Callable[[fx.Node], Optional[str]] = lambda node: None,
     save_gathered_weights: bool = False,
+    kept: frozenset[fx.Node] = frozenset(),
 ) -> GraphFacts:
     """Read a graph's gather and reduction markers and add up its compute (with
-    Config.save_gathered_weights the backward gathers nothing again)."""
+    Config.save_gathered_weights the backward gathers nothing again; `kept`: gathers the backward
+    does not gather again unless qwZ runs)."""
     regathered = _used_in_backward(gm) if training and not save_gathered_weights else set()
     # Under symbolic shapes FLOPs would come from this rank's example sizes, which other ranks may
     # not share: the plan then weighs the communication alone (weights' sizes are static), alike
@@ -303,7 +309,7 @@ def graph_facts(
             continue
         if node.target == _zpp.gather_param.default:
             wire = node.kwargs.get("dtype") or node.args[0].meta["val"].dtype
-            gathers.append((node.args[3], wire.itemsize, node in regathered, block(node)))
+            gathers.append((node.args[3], wire.itemsize, node in regathered, node in kept, block(node)))
         elif node.target == _zpp.reduce_grad.default:
             reductions.append((node.args[2], node.args[0].meta["val"].element_size(), block(node)))
         elif node.target == _zpp.all_reduce_grad.default:
@@ -325,12 +331,7 @@ def _used_in_backward(joint: fx.GraphModule) -> set[fx.Node]:
     """The gathers of a joint graph whose weight the backward reads (through views): those the
     backward gathers again (a weight is recomputed, never saved). Backward nodes are those that
     depend on a tangent."""
-    backward: set[fx.Node] = set()
-    for node in joint.graph.nodes:
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
-            a in backward for a in node.all_input_nodes
-        ):
-            backward.add(node)
+    backward = backward_nodes(joint.graph)
     used = set()
     for node in backward:
         for arg in node.all_input_nodes:
@@ -408,12 +409,12 @@ def _links(
     links = _Links(cost, world, local, cap)
     block, gradient_block = config.weight_block_size, config.gradient_block_size
     quantized = 0
-    for shard_numel, wire_size, regathered, block_name in facts.gathers:
+    for shard_numel, wire_size, regathered, kept, block_name in facts.gathers:
         full = shard_numel * world
         wire = payload_numel(shard_numel, block) if t.quantize_weights else shard_numel * wire_size
         links.all_gather("forward", wire, world, block_name)
         quantized += (shard_numel + full) if t.quantize_weights else 0
-        if not regathered:
+        if not _regathered(regathered, kept, t):
             continue
         if t.hpz:  # each rank keeps 1/local of the gathered payloads (int8) or of the full weight
             part = world // local * payload_numel(shard_numel, block) if t.hpz_int8 else full // local * wire_size
@@ -480,6 +481,11 @@ class _Links:
         return max(self.cost.collective_seconds(intra, False), self.cost.collective_seconds(inter, True))
 
 
+def _regathered(used_in_backward: bool, kept: bool, t: Techniques) -> bool:
+    """Whether the backward gathers a weight again: kept weights only under qwZ."""
+    return used_in_backward and (t.quantize_weights or not kept)
+
+
 def _counted(item: tuple) -> int:  # what the bucket cap counts of a _Links entry
     return item[0]
 
@@ -500,11 +506,11 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
     results -- buckets of gathered weights as received (int8 under qwZ) -- in flight and in use."""
     world, local, block, t = topology.world_size, topology.ranks_per_node, config.weight_block_size, option.techniques
     forward, backward, secondary = [], [], 0
-    for shard_numel, wire_size, regathered, _ in facts.gathers:
+    for shard_numel, wire_size, regathered, kept, _ in facts.gathers:
         int8 = world * payload_numel(shard_numel, block)
         full = shard_numel * world * wire_size
         forward.append(int8 if t.quantize_weights else full)
-        if not (regathered and facts.training):
+        if not (_regathered(regathered, kept, t) and facts.training):
             continue
         backward.append(int8 if t.hpz_int8 else full)
         secondary += (int8 if t.hpz_int8 else full) // local if t.hpz else 0

@@ -248,6 +248,7 @@ def _apply_auto_plan(ctx: passes.PassContext, state: ShardedState, gm: fx.GraphM
         plan = auto_plan.choose_plan(
             gm, state, f"graph{ctx.graph_id}", training=training, block=blocks_of(ctx),
             key=(ctx.parameter_names, training),
+            kept=frozenset(passes.kept_for_backward(gm.graph, ctx)) if training else frozenset(),
         )  # fmt: skip
     state.auto_plans.append(plan)
     _RECORDS[ctx.graph_id].auto_plan = plan

@@ -214,6 +214,15 @@ class Config:
         "keep gathered weights from forward for backward instead of re-gathering them there (trades the "
         "ZeRO-3 memory bound for one fewer all-gather)",
     )
+    keep_last_weights_gathered: bool = _field(
+        True,
+        "the weights the forward reads last outside any repeated block (output head, final norm, a tied "
+        "embedding; in a graph without repeated blocks, the last weight it reads) stay gathered from forward "
+        "into the backward, which starts with them, instead of being freed and gathered again: one all-gather "
+        "fewer per step for them and no second gather buffer at the backward's start (FSDP2 keeps its root "
+        "module's parameters gathered alike). Each graph keeps its own. Not under qwZ, whose forward weights "
+        "are approximate: its backward gathers them again. `False`: the backward gathers every weight again",
+    )
     lowering: Lowering = _field(
         "inductor",
         '`"inductor"` compiles the rewritten graphs with Inductor; `"aot_eager"` runs them as plain FX '
@@ -272,6 +281,7 @@ class Config:
         if self.qgz_error_feedback and not self.quantize_gradients and not (self.auto_plan and self.allow_lossy):
             raise ValueError("Config.qgz_error_feedback=True needs quantize_gradients=True (it is part of qgZ).")
         _require_bool(self, "save_gathered_weights")
+        _require_bool(self, "keep_last_weights_gathered")
         _require_block_size(self, "weight_block_size", suggestion=256)
         _require_block_size(self, "gradient_block_size", suggestion=128)
         _require_int(self, "gather_bucket_bytes", minimum=0)

@@ -17,6 +17,7 @@ the full tensor, row-major, followed by zeros.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING, Optional
 
@@ -143,6 +144,19 @@ class ShardedState:
     auto_plans: list = dataclasses.field(default_factory=list)
     memory_budget_bytes: int = 0  # Config(plan="auto"): the budget every rank plans with (auto_plan.settle_budget)
     keep_whole_numel: int = 0  # the Config's, or under plan="auto" the one chosen (auto_plan.choose_keep_whole_numel)
+
+    @functools.cached_property
+    def has_blocks(self) -> bool:
+        """Whether any parameter belongs to a repeated block ("h.3.attn.weight")."""
+        return any(block_of_name(fqn) for fqn in self.specs)
+
+
+def block_of_name(fqn: str) -> str:
+    """The repeated block a parameter belongs to: its name up to the first index
+    ("transformer.h.3.attn.c_attn.weight" -> "transformer.h.3"); "" outside any block."""
+    parts = fqn.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return "" if index is None else ".".join(parts[: index + 1])
 
 
 def is_sharded(model: nn.Module) -> bool:

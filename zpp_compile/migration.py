@@ -173,8 +173,8 @@ _ZERO_KEYS_WITHOUT_EFFECT = {
     "sub_group_size": "the optimizer steps on each shard as it is; there are no sub-groups",
     "stage3_max_live_parameters": "a compiled graph frees each gathered weight after its last use; "
     "prefetch_bytes bounds what is gathered ahead",
-    "stage3_max_reuse_distance": "the compiled graph sees every reuse; save_gathered_weights=True keeps "
-    "forward's gathered weights for backward",
+    "stage3_max_reuse_distance": "the forward's last weights outside the repeated blocks stay gathered into "
+    "the backward (keep_last_weights_gathered, on by default); save_gathered_weights=True keeps them all",
     "stage3_model_persistence_threshold": _NO_TOTAL_CAP,
     "stage3_gather_16bit_weights_on_model_save": _FULL_STATE_DICT,
     "stage3_gather_fp16_weights_on_model_save": _FULL_STATE_DICT,

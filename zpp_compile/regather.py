@@ -9,12 +9,17 @@ the weight again when it needs it (ZeRO-3's traffic: two all-gathers and one red
 weight and step). The compiled path does the same in its graphs (passes/recompute.py);
 `Config.save_gathered_weights=True` keeps the gathered weights in both.
 
+Except the forward's last weights outside any repeated block (Config.keep_last_weights_gathered;
+in a model without repeated blocks, the last weight read): the backward starts with them, so the
+forward's copies stay (`_Tail`), as the compiled graphs save them (passes/recompute.py).
+
 Every rank runs the same autograd graph in the same order, so the backward's gathers pair up as
 the forward's did; the eager schedule check covers them like any eager collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -32,9 +37,12 @@ class _Recipe:
     gather: Callable[[], Tensor]  # the gather again, a full weight with the same storage layout
     weight: weakref.ref[Tensor]
     last_regathered: Optional[weakref.ref[Tensor]] = field(default=None)
+    kept: Optional[Tensor] = None  # the forward's own copy, where the forward's tail keeps it
 
     def regathered(self) -> Tensor:
         """One gather serves every saved view the backward unpacks while the copy is alive."""
+        if self.kept is not None:
+            return self.kept
         full = self.last_regathered() if self.last_regathered is not None else None
         if full is None:
             with torch.no_grad():
@@ -54,8 +62,35 @@ class _SavedView:
         return self.recipe.regathered().as_strided(self.size, self.stride, self.storage_offset)
 
 
-def remember(weight: Tensor, gather: Callable[[], Tensor]) -> None:
-    """Mark `weight`, just gathered eagerly, as one the backward may gather again with `gather`."""
+class _Tail:
+    """The weights gathered since the forward's last one inside a repeated block, with the forward's
+    copies; when the forward ends, their saved views keep those copies instead of gathering again."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, _Recipe, Tensor]] = []
+
+    def add(self, key: int, recipe: _Recipe, weight: Tensor, tail: str) -> None:
+        if tail != "outside_blocks":  # "in_block", or "last" in a model without repeated blocks
+            self.entries.clear()
+        if tail != "in_block":
+            self.entries.append((key, recipe, weight))
+
+    def keep(self) -> None:
+        for key, recipe, weight in self.entries:
+            recipe.kept = weight
+            if _GATHERED.get(key) is recipe:  # the forward is over: no view of it is saved any more
+                del _GATHERED[key]
+        self.entries.clear()
+
+
+_TAIL: Optional[_Tail] = None  # the running outermost eager forward's
+
+
+def remember(weight: Tensor, gather: Callable[[], Tensor], tail: Optional[str] = None) -> None:
+    """Mark `weight`, just gathered eagerly, as one the backward may gather again with `gather`.
+    `tail` (Config.keep_last_weights_gathered): "in_block" for a weight of a repeated block,
+    "outside_blocks" for one outside them, "last" in a model without repeated blocks (only the
+    last weight read is kept); None: always gathered again."""
     key = weight.untyped_storage().data_ptr()
     if key == 0:  # an empty weight: nothing to save, and every empty storage has this address
         return
@@ -66,6 +101,8 @@ def remember(weight: Tensor, gather: Callable[[], Tensor]) -> None:
 
     recipe = _Recipe(gather, weakref.ref(weight, forget))
     _GATHERED[key] = recipe
+    if tail is not None and _TAIL is not None:
+        _TAIL.add(key, recipe, weight, tail)
 
 
 def _pack(saved: Tensor):
@@ -86,4 +123,16 @@ def saving_recipes():
     hooks are active already (activation offloading, checkpointing): theirs stay in charge."""
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return None
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+    return _saving_recipes()
+
+
+@contextlib.contextmanager
+def _saving_recipes():
+    global _TAIL
+    _TAIL = tail = _Tail()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+        tail.keep()
+    finally:
+        _TAIL = None

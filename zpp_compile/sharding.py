@@ -42,6 +42,7 @@ from .layout import (
     ShardedState,
     ShardingError,
     ShardSpec,
+    block_of_name,
     int8_payload,
     is_sharded,
     join_fqn,
@@ -522,10 +523,20 @@ def _sharded_attribute(name: str) -> property:
         full = gather_full(param, payload=payload)
         if not torch.compiler.is_compiling() and torch.is_grad_enabled():
             if not param._zpp_state.config.save_gathered_weights:
-                regather.remember(full, functools.partial(gather_full, param, payload=payload))
+                regather.remember(full, functools.partial(gather_full, param, payload=payload), _tail_role(param))
         return full
 
     return property(read, doc=f"`{name}`: all-gathered inside forward, the sharded DTensor outside it.")
+
+
+def _tail_role(param: Tensor) -> Optional[str]:
+    """What regather's forward tail makes of this weight (Config.keep_last_weights_gathered)."""
+    state = param._zpp_state
+    if not state.config.keep_last_weights_gathered or state.config.quantize_weights:
+        return None
+    if not state.has_blocks:
+        return "last"
+    return "in_block" if block_of_name(param._zpp_spec.fqn) else "outside_blocks"
 
 
 def _never_a_frame_of_its_own() -> None:

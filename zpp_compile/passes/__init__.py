@@ -23,7 +23,7 @@ from .order_saved_values import order_saved_values
 from .qgz import qgz
 from .qwz import qwz
 from .read_local_inputs import read_local_inputs
-from .recompute import check_no_gathered_weight_saved, tag_gathers_for_recompute
+from .recompute import check_no_gathered_weight_saved, kept_for_backward, tag_gathers_for_recompute
 from .schedule_overlap import schedule_overlap
 from .tag_parameter_inputs import tag_parameter_inputs
 
@@ -110,5 +110,6 @@ __all__ = [
     "run_partition_passes",
     "run_passes",
     "tag_gathers_for_recompute",
+    "kept_for_backward",
     "tag_parameter_inputs",
 ]

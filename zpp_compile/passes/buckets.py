@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch.fx as fx
 
+from ..layout import block_of_name
 from .context import PassContext
 from .tag_parameter_inputs import PARAM_INPUT
 
@@ -42,14 +43,6 @@ def tensor_bytes(node: fx.Node) -> int:
     """Bytes of the tensor a node produces (its fake value)."""
     value = node.meta["val"]
     return value.numel() * value.element_size()
-
-
-def block_of_name(fqn: str) -> str:
-    """The repeated block a parameter belongs to: its name up to the first index
-    ("transformer.h.3.attn.c_attn.weight" -> "transformer.h.3"); "" outside any block."""
-    parts = fqn.split(".")
-    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-    return "" if index is None else ".".join(parts[: index + 1])
 
 
 # Config.inductor_regions=None cuts by block from this many repeated blocks on: below it, regions

@@ -49,6 +49,17 @@ def calls(graph: fx.Graph, *targets: Any) -> Iterator[fx.Node]:
     return iter([n for n in graph.nodes if is_call(n, *targets)])
 
 
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of a joint graph that depend on a tangent: its backward."""
+    backward: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+            a in backward for a in node.all_input_nodes
+        ):
+            backward.add(node)
+    return backward
+
+
 def is_view_or_cast(node: fx.Node) -> bool:
     """True for ops that only re-view or re-type one tensor (aliasing returns, dtype casts)."""
     if node.op != "call_function":
