@@ -82,11 +82,18 @@ def eager_step(name: str, save_gathered_weights: bool, user_hooks: bool = False,
     dist.barrier()  # gloo holds a collective's tensors until the next one: release the last gather's
     gc.collect()  # garbage in a reference cycle is not held; when the collector runs depends on the tests before
     live_after_forward = gathered.live()
-    with zpp_compile.comm_counter().trace() as issued:
-        loss.backward()
+    gc.disable()  # a weight held by a reference cycle would outlive its backward until the collector ran
+    try:
+        with zpp_compile.comm_counter().trace() as issued:
+            loss.backward()
+        dist.barrier()
+        live_after_backward = gathered.live()
+    finally:
+        gc.enable()
     return {
         "gathered": len(gathered.storages),
         "live_after_forward": live_after_forward,
+        "live_after_backward": live_after_backward,
         "backward_gathers": sum(c.op == "all_gather" and c.phase == "backward" for c in issued),
         "grads": {n: local_grad(p) for n, p in model.named_parameters() if p.requires_grad},
         "user_packed_weights": packed_shapes.count((WIDTH, WIDTH)),
@@ -120,6 +127,7 @@ def test_regathered_weights_give_the_kept_weights_gradients_on_models_we_did_not
         assert regathered[rank]["live_after_forward"] == 0 < kept[rank]["live_after_forward"]
         assert regathered[rank]["backward_gathers"] == kept[rank]["live_after_forward"]
         assert tail_kept[rank]["live_after_forward"] == tail
+        assert tail_kept[rank]["live_after_backward"] == regathered[rank]["live_after_backward"] == 0
         assert tail_kept[rank]["backward_gathers"] == regathered[rank]["backward_gathers"] - tail
         for param, grad in kept[rank]["grads"].items():
             assert torch.equal(regathered[rank]["grads"][param], grad), param
@@ -133,6 +141,7 @@ def test_without_repeated_blocks_only_the_last_weight_read_stays_gathered(pools,
         # Kept whole, `middle` and `last` (the first layer's input needs no gradient).
         assert kept[rank]["live_after_forward"] == 2
         assert regathered[rank]["live_after_forward"] == int(keep_last)
+        assert regathered[rank]["live_after_backward"] == 0
         assert regathered[rank]["backward_gathers"] == 2 - int(keep_last)
         for param, grad in kept[rank]["grads"].items():
             assert torch.equal(regathered[rank]["grads"][param], grad), param

@@ -95,11 +95,16 @@ def remember(weight: Tensor, gather: Callable[[], Tensor], tail: Optional[str] =
     if key == 0:  # an empty weight: nothing to save, and every empty storage has this address
         return
 
+    recipe = _Recipe(gather, None)  # type: ignore[arg-type]
+    # The callback must not hold the recipe: a cycle would keep a kept weight alive after its
+    # backward, until the garbage collector happens to run.
+    recipe_ref = weakref.ref(recipe)
+
     def forget(_ref, key=key) -> None:
-        if _GATHERED.get(key) is recipe:
+        if recipe_ref() is not None and _GATHERED.get(key) is recipe_ref():
             del _GATHERED[key]
 
-    recipe = _Recipe(gather, weakref.ref(weight, forget))
+    recipe.weight = weakref.ref(weight, forget)
     _GATHERED[key] = recipe
     if tail is not None and _TAIL is not None:
         _TAIL.add(key, recipe, weight, tail)
