@@ -329,8 +329,8 @@ def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
 
 def _used_in_backward(joint: fx.GraphModule) -> set[fx.Node]:
     """The gathers of a joint graph whose weight the backward reads (through views): those the
-    backward gathers again (a weight is recomputed, never saved). Backward nodes are those that
-    depend on a tangent."""
+    backward gathers again, but for the forward's tail (kept_for_backward). Backward nodes are
+    those that depend on a tangent."""
     backward = backward_nodes(joint.graph)
     used = set()
     for node in backward:

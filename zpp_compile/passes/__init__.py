@@ -99,6 +99,7 @@ __all__ = [
     "cuts_at_blocks",
     "dedupe_gathers",
     "hpz",
+    "kept_for_backward",
     "lower_gather",
     "lower_quantized_gather",
     "lower_reduce",
@@ -110,6 +111,5 @@ __all__ = [
     "run_partition_passes",
     "run_passes",
     "tag_gathers_for_recompute",
-    "kept_for_backward",
     "tag_parameter_inputs",
 ]

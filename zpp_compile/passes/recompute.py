@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .buckets import block_of_name
+from ..layout import block_of_name
 from .context import PassContext
 from .graph_utils import GATHER_MARKERS, SHARD_GATHERS, backward_nodes, calls, is_view_or_cast
 from .tag_parameter_inputs import PARAM_INPUT
