@@ -147,6 +147,35 @@ def hf_gpt2(dropout: float = 0.0) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class LayerFrames(nn.Module):
+    """The same layer class outside the blocks and in each. The graph break in the loop makes
+    Dynamo run the model's own frame eagerly and compile _Layer.forward as a frame of its own,
+    first for `proj` (outside the blocks), then for the blocks: small graphs Inductor compiles
+    whole, each with one bucketed all-gather per phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = _Layer()
+        self.blocks = nn.ModuleList(_Layer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for block in self.blocks:
+            x = block(x)
+            torch._dynamo.graph_break()
+        return x
+
+
 def hf_llama() -> nn.Module:
     """A tiny Hugging Face Llama from a config: RMSNorm, rotary buffers, grouped-query attention."""
     from transformers import LlamaConfig, LlamaForCausalLM

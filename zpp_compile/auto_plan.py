@@ -47,7 +47,7 @@ from .config import DEFAULT_MEMORY_BUDGET_FRACTION, Config
 from .cost_model import CostModel, resolve_group
 from .layout import ShardedState, ShardingError, ShardSpec
 from .passes.buckets import bucket_by_bytes
-from .passes.graph_utils import backward_nodes
+from .passes.graph_utils import backward_nodes, has_symbolic_shapes
 from .plan import peak_collective_bytes, weights_gathered_from_inputs
 from .topology import Topology
 
@@ -302,7 +302,7 @@ def graph_facts(
     # Under symbolic shapes FLOPs would come from this rank's example sizes, which other ranks may
     # not share: the plan then weighs the communication alone (weights' sizes are static), alike
     # on every rank.
-    with_compute = not _has_symbolic_shapes(gm)
+    with_compute = not has_symbolic_shapes(gm)
     gathers, reductions, all_reduces, compute_s = [], [], [], 0.0
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -318,13 +318,6 @@ def graph_facts(
         elif with_compute and node.target not in _MARKERS:
             compute_s += cost_model.node_seconds(node)
     return GraphFacts(tuple(gathers), tuple(reductions), compute_s, training, tuple(all_reduces))
-
-
-def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
-    return any(
-        isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
-        for v in (n.meta.get("val") for n in gm.graph.nodes)
-    )
 
 
 def _used_in_backward(joint: fx.GraphModule) -> set[fx.Node]:

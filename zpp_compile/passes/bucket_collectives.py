@@ -39,9 +39,17 @@ from torch._inductor.fx_passes.bucketing import (
     merge_reduce_scatter,
 )
 
-from .buckets import blocks_of
+from .buckets import blocks_of, cuts_at_blocks
 from .context import PassContext
-from .graph_utils import COLLECTIVE_STARTS, calls, finish, is_call, random_nodes, stable_topological_sort
+from .graph_utils import (
+    COLLECTIVE_STARTS,
+    calls,
+    finish,
+    has_symbolic_shapes,
+    is_call,
+    random_nodes,
+    stable_topological_sort,
+)
 
 log = logging.getLogger(__name__)
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -62,7 +70,8 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         buckets = _buckets(gm, is_kind, cap, block_of) if cap else []
         if buckets:
             merge(gm, buckets, "default")
-    _gather_from_concatenation(gm)
+    if _collectives_run_outside_inductor(gm, ctx):
+        _gather_from_concatenation(gm)
     after = _count(gm)
     if after == before:
         log.debug("bucket_collectives: %s: nothing to merge; graph unchanged", ctx.label)
@@ -92,9 +101,23 @@ def _merge_all_reduces(gm: fx.GraphModule, buckets: list[list[fx.Node]], mode: s
             merge_all_reduce_bucket(gm.graph, bucket, mode)
 
 
+def _collectives_run_outside_inductor(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Whether the graph's collectives will run as FX nodes (compiled by region, or not compiled),
+    where a collective's input lives as long as the collective holds it. Inside a graph Inductor
+    compiles whole, its memory planner hands a buffer to the next kernel after its last read: the
+    collective call, for an input only the (asynchronous) collective reads. Its wait keeps alive
+    what it returns and the inputs of out-of-place collectives, not the input of an `_out` one."""
+    if ctx.config.lowering == "aot_eager":
+        return True
+    return cuts_at_blocks(ctx) and not has_symbolic_shapes(gm)
+
+
 def _gather_from_concatenation(gm: fx.GraphModule) -> None:
     """all_gather_out(copy_(slice(out, rank*n, ...), cat), out=out) -> all_gather_out(cat, out=out):
-    the collective copies the input into this rank's slot itself."""
+    the collective copies the input into this rank's slot itself, so a region's code carries no
+    rank offset. Only where the collectives run outside Inductor: nothing then keeps `cat` alive
+    until the wait in a graph Inductor compiles whole (it reused the buffer for the next kernel
+    while gloo was still sending it: wrong gradients, tests/test_scheduling.py)."""
     for gather in calls(gm.graph, c10d.all_gather_into_tensor_out.default):
         copied, out = gather.args[0], gather.kwargs.get("out")
         if not (is_call(copied, aten.copy_.default) and len(copied.users) == 1):

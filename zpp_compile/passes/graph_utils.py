@@ -60,6 +60,15 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return backward
 
 
+def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    """Whether any value of gm is a SymInt or a tensor with a symbolic size (dynamic shapes)."""
+    return any(
+        isinstance(v, torch.SymInt)
+        or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape))
+        for v in (n.meta.get("val") for n in gm.graph.nodes)
+    )
+
+
 def is_view_or_cast(node: fx.Node) -> bool:
     """True for ops that only re-view or re-type one tensor (aliasing returns, dtype casts)."""
     if node.op != "call_function":
