@@ -104,6 +104,6 @@ def test_ranks_sharing_a_cache_compile_each_region_once_between_them(pools, tmp_
     # Each region misses at most once between them (unshared: 2 x regions). One fewer was seen once
     # in CI (19 of 20), cause not found: a hit more, never a compile more.
     assert regions - 2 <= sum(r["misses"] for r in shared) <= regions, shared
-    assert all(r["compiled"] + r["from_peers"] == regions and r["misses"] < regions for r in shared), shared
+    assert all(r["compiled"] + r["from_peers"] == regions for r in shared), shared
     assert all(r["peer_misses"] == 0 for r in shared), shared
     assert [r["loss"] for r in shared] == [r["loss"] for r in alone]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import zpp_compile
 from zpp_compile.layout import shard_spec
 
-from .models import batch, build, local_grad, loss_of
+from .models import LayerFrames, batch, build, local_grad, loss_of
 
 # The weights outside the blocks each model reads last and the backward reads: GPT-2's final norm
 # and its head tied to the embedding, Llama's final norm and head, our GPT's final norm and head (tied too).
@@ -58,5 +58,29 @@ def test_the_tail_is_not_gathered_again_and_the_gradients_stay(pools, name, comp
             kept[rank]["backward_gather_bytes"] == regathered[rank]["backward_gather_bytes"] - kept[rank]["tail_bytes"]
         )
         assert kept[rank]["loss"] == regathered[rank]["loss"]
+        for param, grad in regathered[rank]["grads"].items():
+            assert torch.equal(kept[rank]["grads"][param], grad), param
+
+
+def layer_reused_step(keep_last: bool) -> dict:
+    model = zpp_compile.shard(LayerFrames(), zpp_compile.Config(keep_last_weights_gathered=keep_last))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
+    counter = zpp_compile.comm_counter()
+    counter.reset()
+    torch.compile(model, backend="zeropp")(x).square().mean().backward()
+    fc2 = model.proj.fc2.weight
+    return {
+        "backward_gather_bytes": counter.bytes(phase="backward", op="all_gather"),
+        "proj_fc2_bytes": shard_spec(fc2).shard_numel * fc2.element_size() * (dist.get_world_size() - 1),
+        "grads": {n: local_grad(p) for n, p in model.named_parameters()},
+    }
+
+
+def test_a_graph_kept_for_a_layer_outside_the_blocks_is_not_reused_inside_them(pools):
+    regathered, kept = (pools(2).run(layer_reused_step, keep_last) for keep_last in (False, True))
+    for rank in range(2):
+        # Only proj's graph keeps a weight: the blocks' layers, compiled apart, keep none.
+        saved = regathered[rank]["backward_gather_bytes"] - kept[rank]["backward_gather_bytes"]
+        assert saved == kept[rank]["proj_fc2_bytes"]
         for param, grad in regathered[rank]["grads"].items():
             assert torch.equal(kept[rank]["grads"][param], grad), param

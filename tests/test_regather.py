@@ -25,12 +25,13 @@ def _linear_stack() -> nn.Module:
 
 
 class _NoBlocks(nn.Module):
-    """Named layers, no repeated block: only the last weight read stays gathered."""
+    """Named layers, no repeated block: only the last weight autograd saves stays gathered (not
+    the bias read after it)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.first, self.middle, self.last = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3))
+        self.first, self.middle, self.last = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.last(torch.tanh(self.middle(torch.tanh(self.first(x)))))

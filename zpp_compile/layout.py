@@ -70,6 +70,9 @@ class ShardSpec:
         gather_args = (self.numel, list(self.shape), self.shard_numel, self.group_size, self.group_name)
         object.__setattr__(self, "gather_args", gather_args)
         object.__setattr__(self, "gather_kwargs", {k: v for k, v in kwargs.items() if v is not None})
+        # Whether it belongs to a repeated block: what the forward's tail is cut by
+        # (Config.keep_last_weights_gathered). gather_full branches on it, so Dynamo guards on it.
+        object.__setattr__(self, "in_block", bool(block_of_name(self.fqn)))
 
     @property
     def replicated(self) -> bool:

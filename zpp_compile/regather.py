@@ -38,6 +38,7 @@ class _Recipe:
     weight: weakref.ref[Tensor]
     last_regathered: Optional[weakref.ref[Tensor]] = field(default=None)
     kept: Optional[Tensor] = None  # the forward's own copy, where the forward's tail keeps it
+    saved: bool = False  # whether autograd saved (a view of) the weight
 
     def regathered(self) -> Tensor:
         """One gather serves every saved view the backward unpacks while the copy is alive."""
@@ -64,19 +65,32 @@ class _SavedView:
 
 class _Tail:
     """The weights gathered since the forward's last one inside a repeated block, with the forward's
-    copies; when the forward ends, their saved views keep those copies instead of gathering again."""
+    copies; when the forward ends, their saved views keep those copies instead of gathering again.
+    In a model without repeated blocks: the last weight autograd saved (a bias read after its
+    weight is not what the backward needs), and those read after it, which may yet be saved."""
 
     def __init__(self) -> None:
         self.entries: list[tuple[int, _Recipe, Tensor]] = []
+        self.only_last_saved = False  # a model without repeated blocks
 
     def add(self, key: int, recipe: _Recipe, weight: Tensor, tail: str) -> None:
-        if tail != "outside_blocks":  # "in_block", or "last" in a model without repeated blocks
+        if tail == "in_block":
             self.entries.clear()
-        if tail != "in_block":
-            self.entries.append((key, recipe, weight))
+            return
+        if tail == "last":
+            self.only_last_saved = True
+            self.entries = self.entries[self._last_saved() :]
+        self.entries.append((key, recipe, weight))
+
+    def _last_saved(self) -> int:
+        """The index of the last entry autograd saved, else of the last entry (the latest read,
+        whose use may not have run yet)."""
+        saved = [i for i, (_, recipe, _) in enumerate(self.entries) if recipe.saved]
+        return saved[-1] if saved else max(len(self.entries) - 1, 0)
 
     def keep(self) -> None:
-        for key, recipe, weight in self.entries:
+        kept = self.entries[self._last_saved() :][:1] if self.only_last_saved else self.entries
+        for key, recipe, weight in kept:
             recipe.kept = weight
             if _GATHERED.get(key) is recipe:  # the forward is over: no view of it is saved any more
                 del _GATHERED[key]
@@ -116,6 +130,7 @@ def _pack(saved: Tensor):
     weight = recipe.weight() if recipe is not None else None
     if weight is None or weight.dtype != saved.dtype:
         return saved
+    recipe.saved = True
     return _SavedView(recipe, tuple(saved.size()), tuple(saved.stride()), saved.storage_offset())
 
 

@@ -42,7 +42,6 @@ from .layout import (
     ShardedState,
     ShardingError,
     ShardSpec,
-    block_of_name,
     int8_payload,
     is_sharded,
     join_fqn,
@@ -278,6 +277,11 @@ def gather_full(param: Tensor, *, payload: Optional[Tensor] = None, in_compute_d
     # otherwise match every tensor guard and silently run the first model's plan.
     if spec.plan_id < 0:
         raise AssertionError("unreachable: plan ids count from 0")
+    # Likewise on whether it lies in a repeated block: a graph keeps the forward's last weights
+    # outside the blocks for its backward (passes/recompute.py), decided when it is compiled, so
+    # a graph compiled for a module outside the blocks must not run for one inside them.
+    if spec.in_block is None:
+        raise AssertionError("unreachable: in_block is a bool")
     if spec.quantized_block is not None:
         compute_dtype = spec.compute_dtype if in_compute_dtype else None
         return torch.ops.zpp.gather_quantized_param(
@@ -531,12 +535,12 @@ def _sharded_attribute(name: str) -> property:
 
 def _tail_role(param: Tensor) -> Optional[str]:
     """What regather's forward tail makes of this weight (Config.keep_last_weights_gathered)."""
-    state = param._zpp_state
-    if not state.config.keep_last_weights_gathered or state.config.quantize_weights:
-        return None
+    state, spec = param._zpp_state, param._zpp_spec
+    if not state.config.keep_last_weights_gathered or state.config.quantize_weights or spec.replicated:
+        return None  # a replicated parameter is a local copy: nothing to gather again
     if not state.has_blocks:
         return "last"
-    return "in_block" if block_of_name(param._zpp_spec.fqn) else "outside_blocks"
+    return "in_block" if spec.in_block else "outside_blocks"
 
 
 def _never_a_frame_of_its_own() -> None:
