@@ -1,5 +1,6 @@
 """bucket_collectives and schedule_overlap on small lowered graphs (a real one-rank gloo group)."""
 
+import pytest
 import torch
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
@@ -41,16 +42,30 @@ def test_bucketing_merges_the_gathers_into_one_and_keeps_values(group_of_one):
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
 
 
-def test_a_bucketed_gather_reads_the_concatenated_shards_not_this_ranks_slot(group_of_one):
+@pytest.mark.parametrize(
+    "lowering", [{"inductor_regions": True}, {"lowering": "aot_eager"}], ids=["regions", "aot_eager"]
+)
+def test_a_bucketed_gather_reads_the_concatenated_shards_not_this_ranks_slot(group_of_one, lowering):
     """Inductor's bucketed gather copies the shards into this rank's slot of the output (a slice
     at rank * n: the rank in the graph) and gathers from there; ours gathers from the concatenation,
-    so the graph is the same on every rank."""
+    so the graph is the same on every rank, where the collective stays an FX node."""
     gm, args = _three_layers(group_of_one)
     want = gm(*args)
-    gm = bucket_collectives(gm, context(group_of_one))
+    gm = bucket_collectives(gm, context(group_of_one, **lowering))
     (gather,) = (n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor_out.default)
     assert gather.args[0].target is torch.ops.aten.cat.default
     assert torch.ops.aten.copy_.default not in {n.target for n in gm.graph.nodes}
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+
+
+def test_a_graph_inductor_compiles_whole_keeps_inductors_copy_into_the_slot(group_of_one):
+    """Compiled whole, the gather's wait would not keep the concatenation alive (Inductor's memory
+    planner would reuse it while the collective still reads it): the copy into the slot stays."""
+    gm, args = _three_layers(group_of_one)
+    want = gm(*args)
+    gm = bucket_collectives(gm, context(group_of_one, inductor_regions=False))
+    (gather,) = (n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor_out.default)
+    assert gather.args[0].target is torch.ops.aten.copy_.default
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
 
 
