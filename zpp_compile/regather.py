@@ -104,7 +104,7 @@ def remember(weight: Tensor, gather: Callable[[], Tensor], tail: Optional[str] =
     """Mark `weight`, just gathered eagerly, as one the backward may gather again with `gather`.
     `tail` (Config.keep_last_weights_gathered): "in_block" for a weight of a repeated block,
     "outside_blocks" for one outside them, "last" in a model without repeated blocks (only the
-    last weight read is kept); None: always gathered again."""
+    last weight autograd saves is kept); None: always gathered again."""
     key = weight.untyped_storage().data_ptr()
     if key == 0:  # an empty weight: nothing to save, and every empty storage has this address
         return
