@@ -298,7 +298,7 @@ def graph_facts(
     """Read a graph's gather and reduction markers and add up its compute (with
     Config.save_gathered_weights the backward gathers nothing again; `kept`: gathers the backward
     does not gather again unless qwZ runs)."""
-    regathered = _used_in_backward(gm) if training and not save_gathered_weights else set()
+    read_in_backward = _used_in_backward(gm) if training and not save_gathered_weights else set()
     # Under symbolic shapes FLOPs would come from this rank's example sizes, which other ranks may
     # not share: the plan then weighs the communication alone (weights' sizes are static), alike
     # on every rank.
@@ -309,7 +309,7 @@ def graph_facts(
             continue
         if node.target == _zpp.gather_param.default:
             wire = node.kwargs.get("dtype") or node.args[0].meta["val"].dtype
-            gathers.append((node.args[3], wire.itemsize, node in regathered, node in kept, block(node)))
+            gathers.append((node.args[3], wire.itemsize, node in read_in_backward, node in kept, block(node)))
         elif node.target == _zpp.reduce_grad.default:
             reductions.append((node.args[2], node.args[0].meta["val"].element_size(), block(node)))
         elif node.target == _zpp.all_reduce_grad.default:
@@ -402,12 +402,12 @@ def _links(
     links = _Links(cost, world, local, cap)
     block, gradient_block = config.weight_block_size, config.gradient_block_size
     quantized = 0
-    for shard_numel, wire_size, regathered, kept, block_name in facts.gathers:
+    for shard_numel, wire_size, read_in_backward, kept, block_name in facts.gathers:
         full = shard_numel * world
         wire = payload_numel(shard_numel, block) if t.quantize_weights else shard_numel * wire_size
         links.all_gather("forward", wire, world, block_name)
         quantized += (shard_numel + full) if t.quantize_weights else 0
-        if not _regathered(regathered, kept, t):
+        if not _regathered(read_in_backward, kept, t):
             continue
         if t.hpz:  # each rank keeps 1/local of the gathered payloads (int8) or of the full weight
             part = world // local * payload_numel(shard_numel, block) if t.hpz_int8 else full // local * wire_size
@@ -499,11 +499,11 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
     results -- buckets of gathered weights as received (int8 under qwZ) -- in flight and in use."""
     world, local, block, t = topology.world_size, topology.ranks_per_node, config.weight_block_size, option.techniques
     forward, backward, secondary = [], [], 0
-    for shard_numel, wire_size, regathered, kept, _ in facts.gathers:
+    for shard_numel, wire_size, read_in_backward, kept, _ in facts.gathers:
         int8 = world * payload_numel(shard_numel, block)
         full = shard_numel * world * wire_size
         forward.append(int8 if t.quantize_weights else full)
-        if not (_regathered(regathered, kept, t) and facts.training):
+        if not (_regathered(read_in_backward, kept, t) and facts.training):
             continue
         backward.append(int8 if t.hpz_int8 else full)
         secondary += (int8 if t.hpz_int8 else full) // local if t.hpz else 0
