@@ -26,7 +26,8 @@ times are bytes / the link's measured bandwidth plus Config.collective_latency_u
              overlap = prefetch / (prefetch + 1) (0 without prefetch): deeper prefetch hides more of
              the compute-long stretches; the first gather and the last reduction hide behind nothing
 Memory: shards + gradient shards (every graph) + hpZ secondary shards (from forward to backward) +
-(prefetch + 2) buckets as received (in flight, in use, and a gradient bucket being reduced).
+the forward's tail kept gathered (Config.keep_last_weights_gathered, unless qwZ) + (prefetch + 2)
+buckets as received (in flight, in use, and a gradient bucket being reduced).
 """
 
 from __future__ import annotations
@@ -495,15 +496,19 @@ def _peer_split(part: int, group: int, local: int) -> tuple[int, int]:
 
 
 def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: Config) -> int:
-    """Bytes the option adds over the persistent shards: hpZ's secondary shards, and collective
-    results -- buckets of gathered weights as received (int8 under qwZ) -- in flight and in use."""
+    """Bytes the option adds over the persistent shards: hpZ's secondary shards, the forward's tail
+    held gathered into the backward, and collective results -- buckets of gathered weights as
+    received (int8 under qwZ) -- in flight and in use."""
     world, local, block, t = topology.world_size, topology.ranks_per_node, config.weight_block_size, option.techniques
-    forward, backward, secondary = [], [], 0
+    forward, backward, secondary, held = [], [], 0, 0
     for shard_numel, wire_size, read_in_backward, kept, _ in facts.gathers:
         int8 = world * payload_numel(shard_numel, block)
         full = shard_numel * world * wire_size
         forward.append(int8 if t.quantize_weights else full)
-        if not (_regathered(read_in_backward, kept, t) and facts.training):
+        if not (facts.training and read_in_backward):
+            continue
+        if not _regathered(read_in_backward, kept, t):
+            held += full  # alive from the forward's end until the backward has read it
             continue
         backward.append(int8 if t.hpz_int8 else full)
         secondary += (int8 if t.hpz_int8 else full) // local if t.hpz else 0
@@ -512,7 +517,7 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
     )
     if t.quantize_gradients and config.qgz_error_feedback:  # bf16, about one unsharded gradient
         secondary += sum(2 * shard_numel * world for shard_numel, _, _ in facts.reductions)
-    return secondary + (option.prefetch + 2) * bucket
+    return secondary + held + (option.prefetch + 2) * bucket
 
 
 def _bucket_received(received: list[int], cap: int, world: int) -> int:

@@ -24,7 +24,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from . import comm, schedule_check
 from . import grad_sync as _grad_sync
 from .codegen.quantize import weight_from_payloads
-from .compat import all_gather_single, reduce_scatter_single
+from .eager_collectives import all_gather_flat, reduce_scatter_flat
 from .faults import explained_collective_failures
 from .topology import current_topology, group_timeout_s
 
@@ -127,7 +127,7 @@ def reduce_grad(
     out = flat.new_empty(shard_numel)
     with _explained("the eager reduce-scatter of a gradient", group_name):
         _check_eager("reduce_scatter", group_name, flat, fqn)
-        reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+        reduce_scatter_flat(out, flat, _resolve_process_group(group_name))
     _record_eager("reduce_scatter", "backward", group_name, flat)
     return out.div_(group_size)
 
@@ -169,7 +169,7 @@ def _eager_all_gather(shard: Tensor, group_size: int, group_name: str, fqn: str)
     out = shard.new_empty(shard.numel() * group_size)
     with _explained("the eager all-gather of a parameter", group_name):
         _check_eager("all_gather", group_name, shard, fqn)
-        all_gather_single(out, shard.contiguous(), group=_resolve_process_group(group_name))
+        all_gather_flat(out, shard.contiguous(), _resolve_process_group(group_name))
     # In backward: regather.py gathering a weight again instead of having kept it.
     phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
     _record_eager("all_gather", phase, group_name, shard)

@@ -1,0 +1,70 @@
+"""The eager path's two flat collectives, in the form that holds least memory on the group's backend.
+
+gloo's tensor collectives stage the whole tensor in a buffer of their own: an all-gather of a
+147 MB weight briefly holds 294 MB (the output and gloo's copy of it), a reduce-scatter of its
+gradient 147 MB more than its input. For a large tensor on gloo the same exchange is done per
+owner instead: one broadcast from each rank into its slice of the output, or one reduce of each
+rank's slice into that rank's output, in pieces, the peers' through a scratch of one piece. Each
+rank still sends and receives one tensor's worth; the extra memory falls from a whole tensor to
+one piece (8 MiB), and at these sizes the rooted forms were faster on gloo, not slower (4 ranks,
+147 MB: gather 440 ms against 506, reduce 226 ms against 382). NCCL's collectives stage nothing, so every
+other backend keeps the tensor collectives, as does every tensor below ROOTED_MIN_BYTES (at a few
+MB the rooted forms' per-owner latency costs more than the copy).
+
+Compiled graphs lower to functional collectives (passes/), which this module does not touch.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import ProcessGroup
+
+from .compat import all_gather_single, reduce_scatter_single
+
+# Whole-tensor bytes from which the rooted forms are used on gloo (measured: at 9 MB the two
+# forms took the same time, at 2 MB the rooted reduce took twice as long).
+ROOTED_MIN_BYTES = 16 << 20
+# The rooted reduce's pieces: its scratch, and how much one reduce carries (4 ranks, a 147 MB
+# gradient: 226 ms in 8 MiB pieces, 262 ms in whole slices, 382 ms as one reduce-scatter).
+ROOTED_PIECE_BYTES = 8 << 20
+
+
+def all_gather_flat(out: Tensor, shard: Tensor, group: ProcessGroup) -> None:
+    """out (group size x shard's numel, flat) <- every rank's `shard`, in group-rank order."""
+    if not _rooted(out, group):
+        all_gather_single(out, shard, group=group)
+        return
+    slices = out.view(dist.get_world_size(group), -1)
+    slices[dist.get_rank(group)].copy_(shard)
+    for owner, piece in enumerate(slices):
+        dist.broadcast(piece, group=group, group_src=owner)
+
+
+def reduce_scatter_flat(out: Tensor, flat: Tensor, group: ProcessGroup) -> None:
+    """out <- the sum over ranks of this rank's slice of `flat` (group size x out's numel); `flat`
+    is left as it was."""
+    if not _rooted(flat, group):
+        reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group)
+        return
+    rank = dist.get_rank(group)
+    step = max(1, ROOTED_PIECE_BYTES // out.element_size())
+    # gloo's reduce writes into its buffer on every rank, and `flat` (autograd's gradient) may be
+    # shared: peers' slices go through a scratch of one piece, this rank's straight into `out`.
+    scratch = out.new_empty(min(step, out.numel()))
+    for owner, piece in enumerate(flat.view(dist.get_world_size(group), -1)):
+        for start in range(0, out.numel(), step):
+            stop = min(start + step, out.numel())
+            target = out[start:stop] if owner == rank else scratch[: stop - start]
+            target.copy_(piece[start:stop])
+            dist.reduce(target, op=dist.ReduceOp.SUM, group=group, group_dst=owner)
+
+
+def _rooted(whole: Tensor, group: ProcessGroup) -> bool:
+    return whole.numel() * whole.element_size() >= ROOTED_MIN_BYTES and _on_gloo(whole, group)
+
+
+def _on_gloo(tensor: Tensor, group: ProcessGroup) -> bool:
+    """Whether gloo carries `tensor` in `group` ("gloo", or "cpu:gloo,cuda:nccl" for a CPU tensor)."""
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or (tensor.device.type == "cpu" and "cpu:gloo" in backend)
