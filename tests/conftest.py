@@ -48,7 +48,14 @@ def group_of_one():
 # Modules whose tests launch processes of their own (torchrun, the simulated cluster).
 LAUNCHING_MODULES = {"test_cluster_harness", "test_example", "test_faults"}
 # Modules whose tests run for minutes: long training runs and whole-model compiles.
-SLOW_MODULES = {"test_long_run", "test_example", "test_cluster_harness", "test_model_features", "test_checkpoint"}
+SLOW_MODULES = {
+    "test_long_run",
+    "test_example",
+    "test_cluster_harness",
+    "test_model_features",
+    "test_checkpoint",
+    "test_hf_architectures",
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

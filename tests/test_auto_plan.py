@@ -72,18 +72,19 @@ def test_a_tight_budget_rules_out_the_options_that_do_not_fit():
 
 def test_the_tail_kept_gathered_counts_in_memory_until_qwz_gathers_it_again():
     # One more weight of 64K elements per rank, the forward's last, kept gathered for the backward.
-    tail = (65536, 4, True, True, None)
-    facts = dataclasses.replace(FACTS, gathers=FACTS.gathers + (tail,))
-    lost = dataclasses.replace(FACTS, gathers=FACTS.gathers + ((65536, 4, False, False, None),))
+    def with_last(read_in_backward: bool, kept: bool) -> GraphFacts:
+        return dataclasses.replace(FACTS, gathers=FACTS.gathers + ((65536, 4, read_in_backward, kept, None),))
+
     config, cost = zpp_compile.Config(plan="auto"), _cost(0.1, 10.0)
     for o in options(TWO_NODES, config, True):
-        held = estimate(o, facts, TWO_NODES, cost, config, 2**40).memory_bytes
-        # The same weight not read in backward: nothing held past the forward.
-        gone = estimate(o, lost, TWO_NODES, cost, config, 2**40).memory_bytes
-        if o.techniques.quantize_weights:  # gathered again (exactly), so it travels in a bucket instead
-            assert held >= gone, o
-        else:
-            assert held == gone + 4 * 65536 * 4, o
+        kept, gathered_again, gone = (
+            estimate(o, with_last(*flags), TWO_NODES, cost, config, 2**40).memory_bytes
+            for flags in ((True, True), (True, False), (False, False))
+        )
+        if o.techniques.quantize_weights:  # qwZ gathers it again whatever the flag says
+            assert kept == gathered_again, o
+        else:  # held whole, as gathered: nothing of it past the forward when the backward never reads it
+            assert kept == gone + 4 * 65536 * 4, o
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """zpp_compile/eager_collectives.py: on gloo, large eager gathers and reduce-scatters run per owner
-(broadcasts, reduces through a one-slice scratch) and give what the tensor collectives give."""
+(broadcasts; reduces in pieces through a one-piece scratch) and give what the tensor collectives
+give."""
 
 from __future__ import annotations
 
@@ -21,13 +22,21 @@ SLICE = 5
 @contextlib.contextmanager
 def _rooted_from(min_bytes: int, piece_bytes: int = 8):
     """Every tensor of at least `min_bytes` takes the rooted forms, reduced in pieces of
-    `piece_bytes` (8: two floats, so a slice of 5 goes as 2 + 2 + 1); this worker only, restored."""
-    saved = eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES
+    `piece_bytes` (8: two floats, so a slice of 5 goes as 2 + 2 + 1); this worker only, restored.
+    Yields the list of each collective's choice (True: rooted)."""
+    saved = eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES, eager_collectives._rooted
+    choices: list[bool] = []
+
+    def counted(whole, group):
+        choices.append(saved[2](whole, group))
+        return choices[-1]
+
     eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES = min_bytes, piece_bytes
+    eager_collectives._rooted = counted
     try:
-        yield
+        yield choices
     finally:
-        eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES = saved
+        eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES, eager_collectives._rooted = saved
 
 
 def flat_collectives() -> dict:
@@ -69,6 +78,21 @@ def test_rooted_forms_give_what_the_tensor_collectives_give(pools):
 CONFIGS = {"zero3": {}, "qwz_hpz": {"ranks_per_node": 2, "hpz_size": 2, "quantize_weights": True}}
 
 
+@pytest.mark.parametrize(
+    ("config", "device", "backend"),
+    [
+        ("cpu:gloo", "cpu", "gloo"),  # init_process_group() without a backend, on a CPU machine
+        ("cpu:gloo,cuda:nccl", "cpu", "gloo"),
+        ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
+        ("cpu:gloo,cuda:gloo", "cuda", "gloo"),
+        ("gloo", "cpu", "gloo"),
+        ("cuda:nccl", "cpu", ""),
+    ],
+)
+def test_the_backend_is_read_per_device_from_the_group_config(config, device, backend):
+    assert eager_collectives.backend_for_device(config, device) == backend
+
+
 def eager_step(name: str, config: str, rooted: bool) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
@@ -76,10 +100,11 @@ def eager_step(name: str, config: str, rooted: bool) -> dict:
     x, y = batch(name, 2 * world, 0)
     counter = zpp_compile.comm_counter()
     counter.reset()
-    with _rooted_from(0 if rooted else 1 << 62, piece_bytes=4096):
+    with _rooted_from(0 if rooted else 1 << 62, piece_bytes=4096) as choices:
         loss = loss_of(name, model, x.chunk(world)[rank], y.chunk(world)[rank])
         loss.backward()
     return {
+        "choices": set(choices),
         "loss": loss.item(),
         "bytes": counter.bytes(),
         "grads": {n: local_grad(p) for n, p in model.named_parameters() if p.requires_grad},
@@ -90,6 +115,7 @@ def eager_step(name: str, config: str, rooted: bool) -> dict:
 def test_eager_training_with_every_collective_rooted_gives_the_same_gradients(pools, name, config):
     tensor_forms, rooted = (pools(4).run(eager_step, name, config, r) for r in (False, True))
     for rank in range(4):
+        assert rooted[rank]["choices"] == {True} and tensor_forms[rank]["choices"] == {False}
         assert rooted[rank]["loss"] == tensor_forms[rank]["loss"]
         # The counter models the exchange, not gloo's algorithm: the same bytes either way.
         assert rooted[rank]["bytes"] == tensor_forms[rank]["bytes"]

@@ -49,6 +49,7 @@ from .cost_model import CostModel, resolve_group
 from .layout import ShardedState, ShardingError, ShardSpec
 from .passes.buckets import bucket_by_bytes
 from .passes.graph_utils import backward_nodes, has_symbolic_shapes
+from .passes.recompute import weight_values
 from .plan import peak_collective_bytes, weights_gathered_from_inputs
 from .topology import Topology
 
@@ -322,33 +323,17 @@ def graph_facts(
 
 
 def _used_in_backward(joint: fx.GraphModule) -> set[fx.Node]:
-    """The gathers of a joint graph whose weight the backward reads (through views): those the
-    backward gathers again, but for the forward's tail (kept_for_backward). Backward nodes are
-    those that depend on a tangent."""
+    """The gathers of a joint graph whose weight the backward reads (itself, or a view or cast of
+    it, as passes/recompute.py sees them): those the backward gathers again, but for the forward's
+    tail (kept_for_backward). Backward nodes are those that depend on a tangent."""
     backward = backward_nodes(joint.graph)
-    used = set()
-    for node in backward:
-        for arg in node.all_input_nodes:
-            while arg not in backward and arg.op == "call_function" and arg.target in _VIEWS:
-                arg = arg.args[0]
-            if arg.op == "call_function" and arg.target == _zpp.gather_param.default:
-                used.add(arg)
-    return used
+    return {
+        gather
+        for gather in joint.graph.find_nodes(op="call_function", target=_zpp.gather_param.default)
+        if any(user in backward for value in weight_values([gather]) for user in value.users)
+    }
 
 
-_VIEWS = {
-    torch.ops.aten.t.default,
-    torch.ops.aten.view.default,
-    torch.ops.aten.reshape.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.expand.default,
-    torch.ops.aten.unsqueeze.default,
-    torch.ops.aten.squeeze.dim,
-    torch.ops.aten.alias.default,
-    torch.ops.prims.convert_element_type.default,
-}
 _MARKERS = {
     _zpp.gather_param.default,
     _zpp.gather_quantized_param.default,

@@ -7,9 +7,10 @@ owner instead: one broadcast from each rank into its slice of the output, or one
 rank's slice into that rank's output, in pieces, the peers' through a scratch of one piece. Each
 rank still sends and receives one tensor's worth; the extra memory falls from a whole tensor to
 one piece (8 MiB), and at these sizes the rooted forms were faster on gloo, not slower (4 ranks,
-147 MB: gather 440 ms against 506, reduce 226 ms against 382). NCCL's collectives stage nothing, so every
-other backend keeps the tensor collectives, as does every tensor below ROOTED_MIN_BYTES (at a few
-MB the rooted forms' per-owner latency costs more than the copy).
+147 MB, one run: gather 440 ms against 506, reduce 226 ms against 382). NCCL's collectives stage
+nothing, so every other backend keeps the tensor collectives, as does every tensor below
+ROOTED_MIN_BYTES (at a few MB the rooted forms' per-owner latency costs more than the copy).
+Checkpoints' whole-tensor gathers (DTensor full_tensor / redistribute) are not routed here.
 
 Compiled graphs lower to functional collectives (passes/), which this module does not touch.
 """
@@ -32,10 +33,12 @@ ROOTED_PIECE_BYTES = 8 << 20
 
 def all_gather_flat(out: Tensor, shard: Tensor, group: ProcessGroup) -> None:
     """out (group size x shard's numel, flat) <- every rank's `shard`, in group-rank order."""
+    world = dist.get_world_size(group)
+    _check_sizes("all-gather", out, shard, world)
     if not _rooted(out, group):
         all_gather_single(out, shard, group=group)
         return
-    slices = out.view(dist.get_world_size(group), -1)
+    slices = out.view(world, -1)
     slices[dist.get_rank(group)].copy_(shard)
     for owner, piece in enumerate(slices):
         dist.broadcast(piece, group=group, group_src=owner)
@@ -44,6 +47,8 @@ def all_gather_flat(out: Tensor, shard: Tensor, group: ProcessGroup) -> None:
 def reduce_scatter_flat(out: Tensor, flat: Tensor, group: ProcessGroup) -> None:
     """out <- the sum over ranks of this rank's slice of `flat` (group size x out's numel); `flat`
     is left as it was."""
+    world = dist.get_world_size(group)
+    _check_sizes("reduce-scatter", flat, out, world)
     if not _rooted(flat, group):
         reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group)
         return
@@ -52,7 +57,7 @@ def reduce_scatter_flat(out: Tensor, flat: Tensor, group: ProcessGroup) -> None:
     # gloo's reduce writes into its buffer on every rank, and `flat` (autograd's gradient) may be
     # shared: peers' slices go through a scratch of one piece, this rank's straight into `out`.
     scratch = out.new_empty(min(step, out.numel()))
-    for owner, piece in enumerate(flat.view(dist.get_world_size(group), -1)):
+    for owner, piece in enumerate(flat.view(world, -1)):
         for start in range(0, out.numel(), step):
             stop = min(start + step, out.numel())
             target = out[start:stop] if owner == rank else scratch[: stop - start]
@@ -60,11 +65,26 @@ def reduce_scatter_flat(out: Tensor, flat: Tensor, group: ProcessGroup) -> None:
             dist.reduce(target, op=dist.ReduceOp.SUM, group=group, group_dst=owner)
 
 
+def _check_sizes(what: str, whole: Tensor, part: Tensor, world: int) -> None:
+    # The rooted forms would cut mismatched sizes silently, where the tensor collectives raise.
+    if whole.numel() != world * part.numel():
+        raise ValueError(f"{what}: {whole.numel()} elements are not {world} x {part.numel()}")
+
+
 def _rooted(whole: Tensor, group: ProcessGroup) -> bool:
     return whole.numel() * whole.element_size() >= ROOTED_MIN_BYTES and _on_gloo(whole, group)
 
 
 def _on_gloo(tensor: Tensor, group: ProcessGroup) -> bool:
-    """Whether gloo carries `tensor` in `group` ("gloo", or "cpu:gloo,cuda:nccl" for a CPU tensor)."""
-    backend = str(dist.get_backend(group))
-    return backend == "gloo" or (tensor.device.type == "cpu" and "cpu:gloo" in backend)
+    """Whether gloo carries `tensor` in `group`. From the group's per-device backends
+    ("cpu:gloo,cuda:nccl"): dist.get_backend says "undefined" for a group made without naming one."""
+    return backend_for_device(dist.get_backend_config(group), tensor.device.type) == "gloo"
+
+
+def backend_for_device(config: str, device_type: str) -> str:
+    """The backend of `device_type` in a backend config ("cpu:gloo,cuda:nccl", or "gloo" for all)."""
+    for entry in config.split(","):
+        device, _, backend = entry.strip().rpartition(":")
+        if device in ("", device_type):
+            return backend
+    return ""

@@ -3,7 +3,7 @@
 `zpp::gather_param(local part) -> full weight` and its autograd partner `zpp::reduce_grad(full
 grad) -> averaged padded part`; `zpp::replicated_param` / `zpp::all_reduce_grad` for parameters
 every rank holds whole; `zpp::gather_quantized_param` for weights stored or kept as int8 payloads.
-Eagerly they run plain collectives (the reference path); under tracing their fake impls give
+Eagerly they run collectives (eager_collectives.py; the reference path); under tracing their fake impls give
 shapes, so Dynamo and AOTAutograd keep them as single, recognisable nodes that the passes in
 zpp_compile/passes lower to functional collectives or to the quantized plans (qwZ, hpZ, qgZ).
 
