@@ -87,6 +87,19 @@ def test_the_tail_kept_gathered_counts_in_memory_until_qwz_gathers_it_again():
             assert kept == gone + 4 * 65536 * 4, o
 
 
+def test_saved_gathered_weights_are_held_in_memory_and_never_gathered_again():
+    saved = dataclasses.replace(FACTS, saves_gathered_weights=True)
+    not_read = dataclasses.replace(FACTS, gathers=tuple((n, b, False, False, blk) for n, b, _, _, blk in FACTS.gathers))
+    config, cost = zpp_compile.Config(plan="auto"), _cost(0.1, 10.0)
+    every_weight = sum(4 * n * b for n, b, _, _, _ in FACTS.gathers)
+    for o in options(TWO_NODES, config, True):
+        held, none_read = (estimate(o, f, TWO_NODES, cost, config, 2**40) for f in (saved, not_read))
+        # Every weight the backward reads stays whole (qwZ's dequantized); no backward gather, as
+        # when the backward reads none.
+        assert held.memory_bytes == none_read.memory_bytes + every_weight, o
+        assert (held.inter_bytes, held.intra_bytes) == (none_read.inter_bytes, none_read.intra_bytes), o
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

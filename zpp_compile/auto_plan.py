@@ -26,8 +26,9 @@ times are bytes / the link's measured bandwidth plus Config.collective_latency_u
              overlap = prefetch / (prefetch + 1) (0 without prefetch): deeper prefetch hides more of
              the compute-long stretches; the first gather and the last reduction hide behind nothing
 Memory: shards + gradient shards (every graph) + hpZ secondary shards (from forward to backward) +
-the forward's tail kept gathered (Config.keep_last_weights_gathered, unless qwZ) + (prefetch + 2)
-buckets as received (in flight, in use, and a gradient bucket being reduced).
+the forward's tail kept gathered (Config.keep_last_weights_gathered, unless qwZ; every weight the
+backward reads under Config.save_gathered_weights) + (prefetch + 2) buckets as received (in flight,
+in use, and a gradient bucket being reduced).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class GraphFacts:
     compute_s: float
     training: bool
     all_reduces: tuple[tuple[int, int], ...] = ()  # (elements, bytes per element) of each gradient all-reduced
+    saves_gathered_weights: bool = False  # Config.save_gathered_weights: every weight read in backward is kept
 
 
 @dataclasses.dataclass
@@ -298,9 +300,9 @@ def graph_facts(
     kept: frozenset[fx.Node] = frozenset(),
 ) -> GraphFacts:
     """Read a graph's gather and reduction markers and add up its compute (with
-    Config.save_gathered_weights the backward gathers nothing again; `kept`: gathers the backward
-    does not gather again unless qwZ runs)."""
-    read_in_backward = _used_in_backward(gm) if training and not save_gathered_weights else set()
+    Config.save_gathered_weights the backward gathers nothing again: it reads the forward's copies;
+    `kept`: gathers the backward does not gather again unless qwZ runs)."""
+    read_in_backward = _used_in_backward(gm) if training else set()
     # Under symbolic shapes FLOPs would come from this rank's example sizes, which other ranks may
     # not share: the plan then weighs the communication alone (weights' sizes are static), alike
     # on every rank.
@@ -319,7 +321,7 @@ def graph_facts(
             all_reduces.append((grad.numel(), grad.element_size()))
         elif with_compute and node.target not in _MARKERS:
             compute_s += cost_model.node_seconds(node)
-    return GraphFacts(tuple(gathers), tuple(reductions), compute_s, training, tuple(all_reduces))
+    return GraphFacts(tuple(gathers), tuple(reductions), compute_s, training, tuple(all_reduces), save_gathered_weights)
 
 
 def _used_in_backward(joint: fx.GraphModule) -> set[fx.Node]:
@@ -393,7 +395,7 @@ def _links(
         wire = payload_numel(shard_numel, block) if t.quantize_weights else shard_numel * wire_size
         links.all_gather("forward", wire, world, block_name)
         quantized += (shard_numel + full) if t.quantize_weights else 0
-        if not _regathered(read_in_backward, kept, t):
+        if not _regathered(read_in_backward, kept, t, facts):
             continue
         if t.hpz:  # each rank keeps 1/local of the gathered payloads (int8) or of the full weight
             part = world // local * payload_numel(shard_numel, block) if t.hpz_int8 else full // local * wire_size
@@ -460,9 +462,10 @@ class _Links:
         return max(self.cost.collective_seconds(intra, False), self.cost.collective_seconds(inter, True))
 
 
-def _regathered(used_in_backward: bool, kept: bool, t: Techniques) -> bool:
-    """Whether the backward gathers a weight again: kept weights only under qwZ."""
-    return used_in_backward and (t.quantize_weights or not kept)
+def _regathered(used_in_backward: bool, kept: bool, t: Techniques, facts: GraphFacts) -> bool:
+    """Whether the backward gathers a weight again: kept weights only under qwZ; none where the
+    forward's gathered weights are all saved (they are then held, qwZ's as dequantized)."""
+    return used_in_backward and not facts.saves_gathered_weights and (t.quantize_weights or not kept)
 
 
 def _counted(item: tuple) -> int:  # what the bucket cap counts of a _Links entry
@@ -492,8 +495,8 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
         forward.append(int8 if t.quantize_weights else full)
         if not (facts.training and read_in_backward):
             continue
-        if not _regathered(read_in_backward, kept, t):
-            held += full  # alive from the forward's end until the backward has read it
+        if not _regathered(read_in_backward, kept, t, facts):
+            held += full  # alive from its gather in the forward until the backward has read it
             continue
         backward.append(int8 if t.hpz_int8 else full)
         secondary += (int8 if t.hpz_int8 else full) // local if t.hpz else 0
