@@ -11,8 +11,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
 from zpp_compile.compile_timing import fx_graph_cache_counts
-from zpp_compile.inductor_regions import compile_regions, cut_region, runs_between_collectives, unsupported_input
-from zpp_compile.passes import bucket_collectives, cuts_at_blocks, lower_gather, tag_parameter_inputs
+from zpp_compile.inductor_regions import compile_regions, cut_region, runs_between_collectives
+from zpp_compile.passes import (
+    bucket_collectives,
+    compiled_whole_reason,
+    cuts_at_blocks,
+    lower_gather,
+    tag_parameter_inputs,
+)
 from zpp_compile.passes.buckets import block_of_name
 from zpp_compile.passes.graph_utils import COLLECTIVE_STARTS
 
@@ -81,9 +87,10 @@ def test_a_graph_with_symbolic_shapes_is_compiled_whole(group_of_one):
         return torch.tanh(x) * x.shape[0]
 
     gm = make_fx(forward, tracing_mode="symbolic")(torch.randn(8, 4))
-    assert "symbolic shape" in unsupported_input(gm)
+    by_region = context(group_of_one, inductor_regions=True)
+    assert "symbolic shape" in compiled_whole_reason(gm, by_region)
     static, _ = gathered_layers(group_of_one, layers=1)
-    assert unsupported_input(static) is None
+    assert compiled_whole_reason(static, by_region) is None
 
 
 def test_a_bucket_never_spans_two_blocks(group_of_one):

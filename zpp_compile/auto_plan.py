@@ -493,7 +493,7 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
         int8 = world * payload_numel(shard_numel, block)
         full = shard_numel * world * wire_size
         forward.append(int8 if t.quantize_weights else full)
-        if not (facts.training and read_in_backward):
+        if not read_in_backward:  # (only a joint graph's gathers are)
             continue
         if not _regathered(read_in_backward, kept, t, facts):
             held += full  # alive from its gather in the forward until the backward has read it

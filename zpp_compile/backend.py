@@ -305,8 +305,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassCon
         compile_fx_inner, is_backward=ctx.phase == "backward", is_inference=ctx.phase == "inference",
         graph_id=ctx.graph_id,
     )  # fmt: skip
-    whole = None if passes.cuts_at_blocks(ctx) else "not cut by block (Config.inductor_regions)"
-    whole = whole or inductor_regions.unsupported_input(gm)
+    whole = passes.compiled_whole_reason(gm, ctx)
     if whole:
         log.debug("zeropp: %s compiles whole: %s", ctx.label, whole)
         return compile_graph(gm, example_inputs)

@@ -85,18 +85,6 @@ def runs_between_collectives(graph: fx.Graph) -> list[list[fx.Node]]:
     return runs
 
 
-def unsupported_input(gm: fx.GraphModule) -> Optional[str]:
-    """Why regions cannot be cut from gm (symbolic shapes: regions would need their own guards),
-    or None."""
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.SymInt) or (
-            isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in val.shape)
-        ):
-            return f"{node.name} has a symbolic shape"
-    return None
-
-
 def cut_region(gm: fx.GraphModule, run: list[fx.Node]) -> Optional[Region]:
     """The run as a graph of its own, or None where it stays FX (only views, or it reads or
     returns a value that is not a tensor). May take getitems into the run (_take_in_getitems)."""

@@ -89,7 +89,8 @@ class _Tail:
         return saved[-1] if saved else max(len(self.entries) - 1, 0)
 
     def keep(self) -> None:
-        kept = self.entries[self._last_saved() :][:1] if self.only_last_saved else self.entries
+        first = self._last_saved()
+        kept = self.entries[first : first + 1] if self.only_last_saved else self.entries
         for key, recipe, weight in kept:
             recipe.kept = weight
             if _GATHERED.get(key) is recipe:  # the forward is over: no view of it is saved any more

@@ -10,7 +10,7 @@ from typing import Callable
 import torch.fx as fx
 
 from .bucket_collectives import bucket_collectives
-from .buckets import cuts_at_blocks
+from .buckets import compiled_whole_reason, cuts_at_blocks
 from .context import PassContext
 from .dedupe_gathers import dedupe_gathers
 from .graph_utils import deferred_recompile
@@ -96,6 +96,7 @@ __all__ = [
     "PartitionPass",
     "PassContext",
     "check_no_gathered_weight_saved",
+    "compiled_whole_reason",
     "cuts_at_blocks",
     "dedupe_gathers",
     "hpz",

@@ -39,13 +39,12 @@ from torch._inductor.fx_passes.bucketing import (
     merge_reduce_scatter,
 )
 
-from .buckets import blocks_of, cuts_at_blocks
+from .buckets import blocks_of, compiled_whole_reason
 from .context import PassContext
 from .graph_utils import (
     COLLECTIVE_STARTS,
     calls,
     finish,
-    has_symbolic_shapes,
     is_call,
     random_nodes,
     stable_topological_sort,
@@ -107,9 +106,7 @@ def _collectives_run_outside_inductor(gm: fx.GraphModule, ctx: PassContext) -> b
     compiles whole, its memory planner hands a buffer to the next kernel after its last read: the
     collective call, for an input only the (asynchronous) collective reads. Its wait keeps alive
     what it returns and the inputs of out-of-place collectives, not the input of an `_out` one."""
-    if ctx.config.lowering == "aot_eager":
-        return True
-    return cuts_at_blocks(ctx) and not has_symbolic_shapes(gm)
+    return ctx.config.lowering == "aot_eager" or compiled_whole_reason(gm, ctx) is None
 
 
 def _gather_from_concatenation(gm: fx.GraphModule) -> None:

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from ..layout import block_of_name
 from .context import PassContext
+from .graph_utils import first_symbolic_node
 from .tag_parameter_inputs import PARAM_INPUT
 
 
@@ -56,6 +57,16 @@ def cuts_at_blocks(ctx: PassContext) -> bool:
     if ctx.config.inductor_regions is not None:
         return ctx.config.inductor_regions
     return len({block_of_name(n) for n in ctx.parameter_names} - {""}) >= MIN_BLOCKS
+
+
+def compiled_whole_reason(gm: fx.GraphModule, ctx: PassContext) -> Optional[str]:
+    """Why Inductor compiles gm whole rather than region by region (inductor_regions.py), or None.
+    The one place that decides it: the backend compiles by it, and bucket_collectives' rewrite is
+    safe only where the collectives stay FX nodes between regions."""
+    if not cuts_at_blocks(ctx):
+        return "not cut by block (Config.inductor_regions)"
+    node = first_symbolic_node(gm)
+    return None if node is None else f"{node.name} has a symbolic shape (regions would need their own guards)"
 
 
 def blocks_of(ctx: PassContext) -> Callable[[fx.Node], Optional[str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -60,13 +60,19 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return backward
 
 
+def first_symbolic_node(gm: fx.GraphModule) -> Optional[fx.Node]:
+    """The first node whose value is a SymInt or a tensor with a symbolic size (dynamic shapes)."""
+    for node in gm.graph.nodes:
+        v = node.meta.get("val")
+        if isinstance(v, torch.SymInt) or (
+            isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+        ):
+            return node
+    return None
+
+
 def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
-    """Whether any value of gm is a SymInt or a tensor with a symbolic size (dynamic shapes)."""
-    return any(
-        isinstance(v, torch.SymInt)
-        or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape))
-        for v in (n.meta.get("val") for n in gm.graph.nodes)
-    )
+    return first_symbolic_node(gm) is not None
 
 
 def is_view_or_cast(node: fx.Node) -> bool:
