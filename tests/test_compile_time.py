@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def steps_with_compile_log(steps: int) -> dict:
-    """Train the tiny GPT (ZeRO-3, Inductor) for `steps` steps with the compile-time log captured."""
+    """Train the tiny GPT (ZeRO-3, Inductor) for `steps` steps with the compile-time log captured
+    (AOTAutograd's cache off: every stage runs, as on a cold start)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     lines: list[str] = []
     try:
@@ -40,7 +42,7 @@ def steps_with_compile_log(steps: int) -> dict:
         compiled = torch.compile(model, backend="zeropp")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         start = time.perf_counter()
-        with compile_times_logged(lines.append, enabled=True):  # what the example prints
+        with compile_times_logged(lines.append, enabled=True), aot_autograd_cache(False):  # what the example prints
             for step in range(steps):
                 x, y = batch("gpt", 2 * world, step)
                 loss_of("gpt", compiled, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
@@ -54,6 +56,7 @@ def steps_with_compile_log(steps: int) -> dict:
             "graph_id": records[0].graph_id,  # process-wide numbering: earlier tasks' graphs count
             "stages": dict(records[0].compile_seconds),
             "inductor_cache": dict(records[0].inductor_cache),
+            "aot_cache": records[0].aot_cache,
             "first_step_s": first_step_s,
             "lines": lines,
         }
@@ -88,6 +91,90 @@ def test_a_model_compiles_once_for_all_its_steps_and_says_where_the_time_went(po
         assert any(f"{graph}_forward compiled in" in line for line in lines), lines
         assert any(f"{graph}_backward compiled in" in line for line in lines), lines
         assert any(f"{graph}: backend took" in line for line in lines), lines
+        assert result["aot_cache"] == "off" and any("AOTAutograd cache off" in line for line in lines), lines
+
+
+def aot_autograd_cache(enabled: bool):
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(enable_autograd_cache=enabled)
+
+
+def _train_from(cache: str, config: zpp_compile.Config, steps: int = 2) -> dict:
+    """A fresh model trained `steps` steps with Inductor's (and AOTAutograd's) cache in `cache`."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    try:
+        torch.manual_seed(0)
+        model = zpp_compile.shard(build("gpt"), config)
+        compiled = torch.compile(model, backend="zeropp")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(steps):
+            x, y = batch("gpt", 2 * world, step)
+            loss = loss_of("gpt", compiled, x.chunk(world)[rank], y.chunk(world)[rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        records = zpp_compile.compiled_graphs()
+        return {
+            "losses": losses,
+            "shards": {n: p.to_local().detach().clone() for n, p in model.named_parameters()},
+            "aot_cache": [r.aot_cache for r in records],
+            "stages": [sorted(r.compile_seconds) for r in records],
+            "graphs": [(r.forward.code, r.backward.code) for r in records],
+            # Labels name the graph by its number in the process: not what is compared.
+            "collectives": [
+                {phase: [replace(c, label="") for c in cs] for phase, cs in r.collectives.items()} for r in records
+            ],
+        }
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+        reset_process_state()
+
+
+def train_twice_from_one_cache(cache: str, config: zpp_compile.Config) -> tuple[dict, dict]:
+    return _train_from(cache, config), _train_from(cache, config)
+
+
+FULL_ZEROPP = dict(ranks_per_node=2, hpz_size=2, quantize_weights=True, quantize_gradients=True)
+
+
+@pytest.mark.parametrize("world, config", [(2, {}), (4, FULL_ZEROPP)], ids=["zero3", "full_zeropp"])
+def test_a_second_start_loads_the_rewritten_graphs_and_trains_bitwise_alike(pools, tmp_path, world, config):
+    """The second of two trainings from one cache folder (a restarted job, in-process) hits
+    AOTAutograd's cache: no zpp_compile pass runs (only the lowering), the rewritten graphs and their
+    collectives are those the first compile made, and losses and updated shards are bitwise equal."""
+    for first, second in pools(world).run(train_twice_from_one_cache, str(tmp_path), zpp_compile.Config(**config)):
+        assert first["aot_cache"] and all(outcome == "miss" for outcome in first["aot_cache"]), first["aot_cache"]
+        assert all(outcome == "hit" for outcome in second["aot_cache"]), second["aot_cache"]
+        ran = {stage.split("/")[-1] for stages in second["stages"] for stage in stages}
+        assert not ran & {
+            p.__name__ for p in (*passes.FORWARD_PASSES, *passes.BACKWARD_PASSES, *passes.JOINT_PASSES)
+        }, ran
+        assert second["graphs"] == first["graphs"]
+        assert second["collectives"] == first["collectives"]
+        assert second["losses"] == first["losses"]
+        for name, shard in first["shards"].items():
+            assert torch.equal(second["shards"][name], shard), name
+
+
+def train_once_from(cache: str, config: zpp_compile.Config) -> dict:
+    return _train_from(cache, config, steps=1)
+
+
+def test_a_config_the_cache_cannot_serve_is_compiled_every_time_and_says_why(pools, tmp_path):
+    """qgZ error feedback numbers its state slots per process: its graphs are not kept (every
+    pass runs on every start), and the record says why."""
+    config = zpp_compile.Config(ranks_per_node=1, quantize_gradients=True, qgz_error_feedback=True)
+    for result in pools(2).run(train_once_from, str(tmp_path), config):
+        assert result["aot_cache"] == ["bypass: qgZ error feedback numbers its state slots per process"], result
+        assert any("backward/qgz" in stages for stages in result["stages"]), result["stages"]
 
 
 _RATE_NAMES = ("bytes_per_s", "flops_per_s")
@@ -170,16 +257,22 @@ def _train_example(out: Path, cache: Path) -> subprocess.CompletedProcess:
 @pytest.mark.distributed  # launches torchrun
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_restarted_job_hits_inductors_cache_for_every_graph(tmp_path):
+def test_a_restarted_job_hits_the_caches_for_every_graph(tmp_path):
     """The example run twice with one cache folder, as a restarted job: the second run's graphs all
-    come from Inductor's FX-graph cache (its log says so per graph), the first run's were compiled."""
+    come from AOTAutograd's cache and their regions from Inductor's FX-graph cache (its log says so
+    per graph), the first run's were compiled."""
     logs = []
     for run in ("cold", "warm"):
         done = _train_example(tmp_path / run, tmp_path / "inductor_cache")
         assert done.returncode == 0, done.stderr[-3000:]
-        logs.append([line for line in done.stdout.splitlines() if "compiled in" in line])
-    cold, warm = logs
+        logs.append([line for line in done.stdout.splitlines() if "compiled in" in line or "backend took" in line])
+    cold, warm = ([line for line in log if "compiled in" in line] for log in logs)
     assert cold and len(cold) == len(warm), (cold, warm)
+    # The whole backend: AOTAutograd's cache kept the rewritten graphs (aot_cache.py).
+    cold_graphs, warm_graphs = ([line for line in log if "backend took" in line] for log in logs)
+    assert cold_graphs and all(line.endswith("AOTAutograd cache miss") for line in cold_graphs), cold_graphs
+    assert len(warm_graphs) == len(cold_graphs), warm_graphs
+    assert all(line.endswith("AOTAutograd cache hit") for line in warm_graphs), warm_graphs
     # Cold: every phase compiles (misses), though its repeated regions may hit each other.
     assert all(re.search(r"FX graph cache (\d+ hit, \d+ )?miss$", line) for line in cold), cold
     assert all(line.endswith("FX graph cache hit") for line in warm), warm

@@ -11,6 +11,7 @@ Dynamo graph (zpp.gather_param markers on parameter shards)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -24,10 +25,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from . import auto_plan, comm, compat, compile_sharing, compile_timing, inductor_regions, passes
+from . import aot_cache, auto_plan, comm, compat, compile_sharing, compile_timing, inductor_regions, passes
 from .faults import explained_collective_failures
 from .layout import ShardedState, shard_spec, state_of_shard
 from .passes.buckets import blocks_of
@@ -71,6 +73,9 @@ class GraphRecord:
     inductor_cache: dict[str, str] = dataclasses.field(default_factory=dict)
     # Config(plan="auto"): the plan chosen for this graph (auto_plan.AutoPlan); None otherwise.
     auto_plan: Optional[Any] = None
+    # What AOTAutograd's cache did for the graph (aot_cache.py): "hit" (no pass ran: the rewritten
+    # graphs were loaded), "miss", or "bypass: <why>".
+    aot_cache: str = ""
 
 
 _RECORDS: dict[int, GraphRecord] = {}
@@ -111,18 +116,59 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
     # Exclusive timing: what the stages inside do not account for is AOTAutograd's own work.
     with ctx.stage_seconds.timed(compile_timing.AOT_TRACE):
         gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
-        # The compilers take the phase's context when they run: Config(plan="auto") settings are
-        # chosen on the joint (or inference) graph, after this point.
-        compile_graph = functools.partial(_compile_partitioned, ctx=ctx, state=state, use_inductor=use_inductor)
-        compiled = aot_autograd(
-            fw_compiler=functools.partial(compile_graph, phase="forward"),
-            bw_compiler=functools.partial(compile_graph, phase="backward"),
-            inference_compiler=functools.partial(compile_graph, phase="inference"),
-            partition_fn=functools.partial(_partition, ctx=ctx, state=state),
-            decompositions=decompositions,
-        )(gm, example_inputs)
-    compile_timing.log_graph(f"graph{ctx.graph_id}", ctx.stage_seconds)
+        compiled = _aot_autograd(gm, example_inputs, ctx=ctx, state=state, use_inductor=use_inductor)
+    record = _RECORDS[ctx.graph_id]
+    compile_timing.log_graph(f"graph{ctx.graph_id}", ctx.stage_seconds, record.aot_cache)
     return _naming_parameters(compiled, param_positions)
+
+
+def _aot_autograd(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    ctx: passes.PassContext,
+    state: ShardedState,
+    use_inductor: bool,
+) -> Callable:
+    """AOTAutograd with zeropp's partition and compilers, through AOTAutograd's cache where the
+    Config allows (aot_cache.py: a warm start loads the rewritten graphs instead of tracing)."""
+    # The compilers take the phase's context when they run: Config(plan="auto") settings are
+    # chosen on the joint (or inference) graph, after this point.
+    compile_graph = functools.partial(_compile_partitioned, ctx=ctx, state=state, use_inductor=use_inductor)
+    compilers = {
+        f"{name}_compiler": functools.partial(compile_graph, phase=phase)
+        for name, phase in (("fw", "forward"), ("bw", "backward"), ("inference", "inference"))
+    }  # fmt: skip
+    bypass = aot_cache.bypass_reason(state.config)
+    caching: Any = contextlib.nullcontext()
+    if bypass is None:
+        compilers = {
+            name: SerializableAOTDispatchCompiler(aot_cache.ZeroppOutputCode, fn) for name, fn in compilers.items()
+        }
+        specs = [shard_spec(example_inputs[i]) for i in ctx.parameter_positions]
+        tag = aot_cache.key_tag(state.config, state.topology, specs, state.cost_model)
+        caching = aot_cache.caching(tag, functools.partial(_lower, ctx=ctx, use_inductor=use_inductor))
+    before = compile_timing.aot_autograd_cache_counts()
+    with caching:
+        compiled = aot_autograd(
+            **compilers,
+            partition_fn=functools.partial(_partition, ctx=ctx, state=state),
+            decompositions=ctx.decompositions,
+        )(gm, example_inputs)
+    record = _RECORDS[ctx.graph_id]
+    record.aot_cache = _aot_cache_outcome(record, before, bypass)
+    return compiled
+
+
+def _aot_cache_outcome(record: GraphRecord, before: tuple[int, int, int], bypass: Optional[str]) -> str:
+    """What AOTAutograd's cache did for a graph, in GraphRecord.aot_cache's words."""
+    if bypass is not None:
+        return f"bypass: {bypass}"
+    graphs = (g for g in (record.forward, record.backward) if g is not None)
+    unkept = next(filter(None, map(aot_cache.unkept_reason, graphs)), None)
+    if unkept is not None:  # AOTAutograd tried to save it, and the graph refused (aot_cache.py)
+        return f"miss, not kept: {unkept}"
+    return compile_timing.cache_outcome(before, compile_timing.aot_autograd_cache_counts())
 
 
 def _naming_parameters(compiled: Callable, positions: list[int]) -> Callable:
@@ -230,13 +276,7 @@ def _partition_sharded(
         fw_gm, bw_gm = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
     with ctx.stage_seconds.timed("joint/check_no_gathered_weight_saved"):
         passes.check_no_gathered_weight_saved(fw_gm, bw_gm, joint_ctx)
-    fw_gm, bw_gm = passes.run_partition_passes(fw_gm, bw_gm, ctx.for_phase("partitioned"))
-    saved = [p for p in bw_gm.graph.nodes if p.op == "placeholder" and not p.name.startswith("tangents")]
-    # Tensors only: DTensor inputs also hand their mesh (an opaque object) to the backward.
-    _RECORDS[ctx.graph_id].saved_for_backward = [
-        p.meta["val"] for p in saved if isinstance(p.meta.get("val"), torch.Tensor)
-    ]
-    return fw_gm, bw_gm
+    return passes.run_partition_passes(fw_gm, bw_gm, ctx.for_phase("partitioned"))
 
 
 def _apply_auto_plan(ctx: passes.PassContext, state: ShardedState, gm: fx.GraphModule, *, training: bool) -> None:
@@ -271,18 +311,32 @@ def _compile_partitioned(
     with ctx.stage_seconds.timed(f"{ctx.phase}/schedule_record"):
         markers = marker_schedule(gm, named=not is_backward)
     gm = passes.run_passes(gm, ctx, passes.BACKWARD_PASSES if is_backward else passes.FORWARD_PASSES)
-    with ctx.stage_seconds.timed(f"{ctx.phase}/schedule_record"):
-        collectives = collectives_in(gm, "backward" if is_backward else "forward", ctx.label)
-        schedule = Schedule(ctx.label, (*markers, *map(as_scheduled, collectives)))
     record = _RECORDS[ctx.graph_id]
     if record.auto_plan is not None:
         record.auto_plan.note_compiled(ctx.phase, gm)
-    setattr(record, "backward" if is_backward else "forward", gm)
+    rewritten = aot_cache.RewrittenPhase(ctx.phase, gm, tuple(markers))
+    return aot_cache.output_code(rewritten, _lower(rewritten, example_inputs, ctx=ctx, use_inductor=use_inductor))
+
+
+def _lower(
+    rewritten: aot_cache.RewrittenPhase, example_inputs: Sequence[Any], *, ctx: passes.PassContext, use_inductor: bool
+) -> Callable:
+    """A rewritten phase as it runs: Inductor's (or the FX graph's own) code, counting its
+    collectives and checking its schedule. Also what a warm start does with a cached phase."""
+    ctx = ctx.for_phase(rewritten.phase)
+    gm = rewritten.gm
+    with ctx.stage_seconds.timed(f"{ctx.phase}/schedule_record"):
+        collectives = collectives_in(gm, "backward" if ctx.phase == "backward" else "forward", ctx.label)
+        schedule = Schedule(ctx.label, (*rewritten.markers, *map(as_scheduled, collectives)))
+    record = _RECORDS[ctx.graph_id]
+    setattr(record, "backward" if ctx.phase == "backward" else "forward", gm)
     record.collectives[ctx.phase] = collectives
+    if ctx.phase == "backward":
+        record.saved_for_backward = _saved_for_backward(gm)
     if use_inductor:
         lowered, lowered_inputs, moved = _opaque_inputs_outside(gm, example_inputs)
         cache_before = compile_timing.fx_graph_cache_counts()
-        with eager_random_ops(), ctx.stage_seconds.timed(f"{ctx.phase}/inductor"):
+        with eager_random_ops(), aot_cache.inductor_own_settings(), ctx.stage_seconds.timed(f"{ctx.phase}/inductor"):
             compiled = _inductor(lowered, lowered_inputs, ctx, is_copy=moved is not None)
         compiled = _with_opaque_inputs(compiled, moved)
         record.inductor_cache[ctx.phase] = compile_timing.cache_outcome(
@@ -293,6 +347,13 @@ def _compile_partitioned(
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     compile_timing.log_phase(ctx.label, ctx.stage_seconds, ctx.phase, record.inductor_cache.get(ctx.phase))
     return _counting(compiled, collectives, schedule, device, ctx)
+
+
+def _saved_for_backward(bw_gm: fx.GraphModule) -> list[torch.Tensor]:
+    """What the forward saves for the backward: its tensors only (DTensor inputs also hand their
+    mesh, an opaque object, to the backward)."""
+    saved = [p for p in bw_gm.graph.nodes if p.op == "placeholder" and not p.name.startswith("tangents")]
+    return [p.meta["val"] for p in saved if isinstance(p.meta.get("val"), torch.Tensor)]
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassContext, *, is_copy: bool) -> Callable:

@@ -63,6 +63,14 @@ def fx_graph_cache_counts() -> tuple[int, int, int]:
     return inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_bypass"]
 
 
+def aot_autograd_cache_counts() -> tuple[int, int, int]:
+    """AOTAutograd's cache (hits, misses, bypasses) in this process so far."""
+    from torch._dynamo.utils import counters
+
+    aot = counters["aot_autograd"]
+    return aot["autograd_cache_hit"], aot["autograd_cache_miss"], aot["autograd_cache_bypass"]
+
+
 def cache_outcome(before: tuple[int, int, int], after: tuple[int, int, int]) -> str:
     """What Inductor's FX-graph cache did for one phase's compiles: "hit", "miss" or "bypass" when
     all of its graphs (regions: see inductor_regions) had the same outcome, else the counts
@@ -80,7 +88,7 @@ def log_phase(graph_label: str, stages: StageSeconds, phase: str, cache: Optiona
         log.info("zpp_compile: %s compiled in %s%s", graph_label, summary(stages.of_phase(phase)), cached)
 
 
-def log_graph(graph_label: str, stages: StageSeconds) -> None:
+def log_graph(graph_label: str, stages: StageSeconds, aot_cache: str) -> None:
     """INFO: the backend's whole time on a graph so far (a lazily compiled backward comes later)."""
     if log.isEnabledFor(logging.INFO):
-        log.info("zpp_compile: %s: backend took %s", graph_label, summary(stages))
+        log.info("zpp_compile: %s: backend took %s; AOTAutograd cache %s", graph_label, summary(stages), aot_cache)

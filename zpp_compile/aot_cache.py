@@ -1,0 +1,215 @@
+"""Warm starts that skip AOTAutograd and zpp_compile's passes: AOTAutograd's own cache keeps the
+graphs the passes left, and a restarted job only lowers them again (Inductor's FX graph cache).
+
+AOTAutograd caches a compile only when its compilers return an OutputCode it can serialize.
+Inductor's compilers do; a compiler that wraps Inductor (as zeropp's does: passes, then Inductor
+region by region) gets no caching, so every start traced the joint graph, partitioned it and ran
+every pass again (20-30 s of a warm start at GPT-2 small). Here each phase's compile returns a
+ZeroppOutputCode: the rewritten graph (pickled with torch's GraphPickler, fake values included),
+the schedule markers read before the passes, and the lowered callable. AOTAutograd keeps it in
+its bundled cache entry next to its own runtime metadata (views, mutations, DTensor wrapping); a
+cache hit unpickles it and lowers it in the new process.
+
+What the key holds beyond AOTAutograd's own (the Dynamo graph, input metadata, torch and
+Inductor configs): a tag with zpp_compile's code and pass lists, the Config, the Topology (rank and
+group names included: they are in the graphs), the parameters' shard specs, the quantization
+kernels forced by ZPP_QUANT_KERNELS and the cost model's rates (the scheduling passes order by
+them). The tag is torch's `cache_key_tag`, set only while AOTAutograd computes its key; Inductor's
+compiles inside see the user's own tag, so the regions the ranks of a host share keep one key.
+
+Not cached (the compile runs as before; GraphRecord.aot_cache says why): Config(plan="auto") (the
+plan depends on rates measured in this process), qgZ error feedback (its state slots are numbered
+per process), graph dumps asked for (each compile writes them), lowering="aot_eager", and a
+rewritten graph calling a Triton kernel (Triton's kernel table is per process: qwZ and qgZ on GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import hashlib
+import os
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._inductor.output_code import OutputCode
+
+from . import graph_pickling
+from .cache_folders import code_version
+from .config import Config
+from .schedule_check import ScheduledCollective
+from .topology import Topology
+
+# The backend's lowering of a loaded phase, set while it runs AOTAutograd (see caching()).
+_LOWER: contextvars.ContextVar[Optional[Callable[[RewrittenPhase, list[Any]], Callable]]] = contextvars.ContextVar(
+    "zpp_aot_cache_lower", default=None
+)
+_USER_TAG: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("zpp_aot_cache_user_tag", default=None)
+
+
+@dataclasses.dataclass
+class RewrittenPhase:
+    """One phase's graph as zpp_compile's passes left it, with what lowering it needs besides."""
+
+    phase: str  # "forward" | "backward" | "inference"
+    gm: fx.GraphModule
+    markers: tuple[ScheduledCollective, ...]  # the schedule entries read off the markers before the passes
+
+    def example_inputs(self) -> list[Any]:
+        """The graph's inputs as its placeholders' fake values (what AOTAutograd handed the compiler)."""
+        return [n.meta.get("val") for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+class ZeroppOutputCode(OutputCode):
+    """A compiled phase as AOTAutograd's cache keeps it (see the module docstring)."""
+
+    def __init__(self, rewritten: RewrittenPhase, compiled: Callable) -> None:
+        self._rewritten: Optional[RewrittenPhase] = rewritten
+        self._compiled: Optional[Callable] = compiled
+        self._pickled_graph: Optional[bytes] = None
+        self._boxed_call = True
+        self._fx_graph_cache_key = None
+        self._fx_graph_cache_debug_lines = None
+        self._time_taken_ns = 0
+
+    def __call__(self, inputs: Sequence[Any]) -> Any:
+        if self._compiled is None:
+            raise RuntimeError("zpp_compile: a cached graph was called before it was loaded (post_compile)")
+        return self._compiled(inputs)
+
+    def prepare_for_serialization(self) -> None:
+        """Runs on AOTAutograd's copy of this object before it is pickled into the cache entry."""
+        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+
+        rewritten = self._rewritten
+        if rewritten is None:
+            return
+        reason = unkept_reason(rewritten.gm)
+        if reason is not None:
+            raise BypassAOTAutogradCache(f"zpp_compile: {reason}")
+        try:
+            self._pickled_graph = graph_pickling.dumps(rewritten.gm)
+        except Exception as err:  # anything GraphPickler cannot carry: compile again next time
+            raise BypassAOTAutogradCache(f"zpp_compile: the rewritten graph cannot be pickled ({err})") from err
+        self._rewritten = dataclasses.replace(rewritten, gm=None)  # type: ignore[arg-type]
+        self._compiled = None
+
+    def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
+        """On a cache hit: unpickle the graph into this compile's fake mode and lower it."""
+        from torch._guards import detect_fake_mode
+
+        if self._compiled is not None:
+            return
+        lower = _LOWER.get()
+        if lower is None or self._pickled_graph is None or self._rewritten is None:
+            raise RuntimeError("zpp_compile: a cached zeropp graph can only be loaded by backend='zeropp'")
+        fake_mode = detect_fake_mode(example_inputs)
+        gm = graph_pickling.loads(self._pickled_graph, fake_mode)
+        assert isinstance(gm, fx.GraphModule)
+        gm.recompile()
+        rewritten = dataclasses.replace(self._rewritten, gm=gm)
+        self._compiled = lower(rewritten, rewritten.example_inputs())
+        self._rewritten = rewritten
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        pass
+
+    def __copy__(self) -> ZeroppOutputCode:
+        # AOTAutograd serializes a shallow copy: the live object keeps its graph and callable.
+        clone = ZeroppOutputCode.__new__(ZeroppOutputCode)
+        clone.__dict__.update(self.__dict__)
+        return clone
+
+
+def unkept_reason(gm: fx.GraphModule) -> Optional[str]:
+    """Why a rewritten graph cannot be loaded in another process, or None."""
+    hops = torch.ops.higher_order
+    per_process = {
+        getattr(hops, name, None) for name in ("triton_kernel_wrapper_functional", "triton_kernel_wrapper_mutation")
+    }
+    per_process.discard(None)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in per_process:
+            return f"{node.name} calls a Triton kernel by this process's kernel table index"
+    return None
+
+
+def bypass_reason(config: Config) -> Optional[str]:
+    """Why the graphs of a model with this Config are not kept in AOTAutograd's cache, or None."""
+    if config.lowering != "inductor":
+        return f'lowering="{config.lowering}"'
+    if config.auto_plan:
+        return 'plan="auto" chooses from rates measured in this process'
+    if config.qgz_error_feedback:
+        return "qgZ error feedback numbers its state slots per process"
+    if config.graph_dump_dir is not None:
+        return "graph_dump_dir is set: every compile writes its graphs"
+    return None
+
+
+def key_tag(config: Config, topology: Topology, shard_specs: Sequence[Any], *rest: Any) -> str:
+    """What zeropp's rewrite depends on beyond AOTAutograd's own key (see the module docstring):
+    zpp_compile's code and pass pipeline, the Config, the Topology, the parameters' shard specs,
+    the quantization kernels forced by ZPP_QUANT_KERNELS, and `rest` (the cost model the scheduling passes order by)."""
+    from . import passes
+
+    pipeline = [
+        [p.__name__ for p in stage]
+        for stage in (passes.PRE_AUTOGRAD_PASSES, passes.JOINT_PASSES, passes.PARTITION_PASSES,
+                      passes.FORWARD_PASSES, passes.BACKWARD_PASSES)
+    ]  # fmt: skip
+    # A spec's plan_id (which shard() call) only keeps Dynamo's graphs apart; the rewrite never reads
+    # it (qgZ error feedback does, and is not cached), so a second model of a process may load the first's.
+    specs = tuple(repr(dataclasses.replace(spec, plan_id=0)) for spec in shard_specs)
+    kernels = os.environ.get("ZPP_QUANT_KERNELS")  # the quantization kernels forced (codegen/registry.py)
+    text = repr((code_version(), pipeline, config, topology, specs, kernels, rest))
+    return "zeropp-" + hashlib.sha256(text.encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def caching(tag: str, lower: Callable[[RewrittenPhase, list[Any]], Callable]) -> Iterator[None]:
+    """Around one AOTAutograd call: its cache is on for zeropp's compilers, keyed with `tag`; the
+    backward compiles inside the call (its entry is saved with the forward's); a hit lowers each
+    phase with `lower`."""
+    import torch._functorch.config as functorch_config
+    import torch.compiler.config as compiler_config
+
+    user_tag = compiler_config.cache_key_tag
+    lower_token, tag_token = _LOWER.set(lower), _USER_TAG.set(user_tag)
+    try:
+        with (
+            functorch_config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True),
+            compiler_config.patch(cache_key_tag=f"{user_tag}{tag}"),
+        ):
+            yield
+    finally:
+        _LOWER.reset(lower_token)
+        _USER_TAG.reset(tag_token)
+
+
+@contextlib.contextmanager
+def inductor_own_settings() -> Iterator[None]:
+    """Inductor's own compiles inside caching() see the user's settings: the user's cache tag, not
+    zeropp's (see the module docstring), and the bundled cache off (under it Inductor would skip
+    its FX graph cache, which the lowering of a loaded phase relies on)."""
+    import torch._functorch.config as functorch_config
+    import torch.compiler.config as compiler_config
+
+    user_tag = _USER_TAG.get()
+    if user_tag is None:
+        yield
+        return
+    with (
+        functorch_config.patch(bundled_autograd_cache=False),
+        compiler_config.patch(cache_key_tag=user_tag),
+    ):
+        yield
+
+
+def output_code(rewritten: RewrittenPhase, compiled: Callable) -> Callable:
+    """What a phase's compiler returns: cacheable while caching() is on, else the callable itself."""
+    if _LOWER.get() is None:
+        return compiled
+    return ZeroppOutputCode(rewritten, compiled)
