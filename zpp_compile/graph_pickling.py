@@ -1,10 +1,15 @@
 """Graphs with their fake values as bytes: torch's GraphPickler, adapted to zeropp's graphs.
 
 torch.fx._graph_pickler (private; what torch's regional compilation keeps its graphs with) is used
-as is except for two points:
-  * a view's fake value is described together with its base's, and torch clears the fake mode of
-    the view's description only: the base's still holds the process's FakeTensorMode, which pickle
-    cannot carry. Both are cleared here; unpickling already puts the new mode into both.
+as is except for three points:
+  * plain fake tensors (dense, static shapes) are kept as their geometry, and a view as its base
+    and its geometry, and made again directly. torch describes every tensor in full and rebuilds
+    it through its meta converter: about 0.3 ms a tensor, and a full ZeRO++ graph pair of GPT-2
+    small has some 14,000 of them (several seconds of every warm start). Anything else (symbolic
+    shapes, subclasses, other layouts) takes torch's way.
+  * there, a view's fake value is described together with its base's, and torch clears the fake
+    mode of the view's description only: the base's still holds the process's FakeTensorMode,
+    which pickle cannot carry. Both are cleared here; unpickling already puts the new mode into both.
   * the module stacks of a node (nn_module_stack and its forward twin fwd_nn_module_stack) are
     left out: they hold the model's classes, and a sharded model's classes are made per process
     (sharding.py), so pickle cannot find them by name. Nothing after the passes reads them.
@@ -15,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import _graph_pickler as graph_pickler
+from torch.utils._mode_utils import no_dispatch
 
 _MODULE_STACKS = ("nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "fwd_source_fn_stack")
 
@@ -29,9 +36,50 @@ class _TensorPickleData(graph_pickler._TensorPickleData):
             self.metadata = dataclasses.replace(self.metadata, base=dataclasses.replace(base, fake_mode=None))
 
 
+def _geometry(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    """A dense fake tensor with static sizes, strides and offset (no SymInt among them)."""
+    if type(t) is not FakeTensor or t.layout != torch.strided or t.is_quantized:
+        return False
+    return all(type(d) is int for d in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+def _plain_reduction(t: FakeTensor, state: Any) -> Any:
+    """(rebuild, args) for a plain tensor or a view of one; None where torch's way is needed."""
+    if not _is_plain(t):
+        return None
+    if t._is_view():
+        base = t._base
+        if not _is_plain(base) or base._is_view():
+            return None
+        return _rebuild_view, (base, *_geometry(t))
+    if t.storage_offset() != 0:
+        return None
+    return _rebuild, (*_geometry(t)[:2], t.dtype, t.device, t.requires_grad, state)
+
+
+def _rebuild(
+    shape: tuple, stride: tuple, dtype: torch.dtype, device: torch.device, grad: bool, state: Any
+) -> FakeTensor:
+    with no_dispatch():
+        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=grad)
+        return FakeTensor(state.fake_mode, meta, device)
+
+
+def _rebuild_view(base: FakeTensor, shape: tuple, stride: tuple, offset: int) -> FakeTensor:
+    with torch.no_grad():
+        return base.as_strided(shape, stride, offset)
+
+
 class _GraphPickler(graph_pickler.GraphPickler):
     def reducer_override(self, obj: object) -> Any:
         if isinstance(obj, FakeTensor):
+            plain = _plain_reduction(obj, self._unpickle_state)
+            if plain is not None:
+                return plain
             return _TensorPickleData.unpickle, (
                 _TensorPickleData(self._meta_tensor_describer, obj),
                 self._unpickle_state,
