@@ -151,8 +151,8 @@ def bypass_reason(config: Config) -> Optional[str]:
 
 def key_tag(config: Config, topology: Topology, shard_specs: Sequence[Any], *rest: Any) -> str:
     """What zeropp's rewrite depends on beyond AOTAutograd's own key (see the module docstring):
-    zpp_compile's code and pass pipeline, the Config, the Topology, the parameters' shard specs,
-    the quantization kernels forced by ZPP_QUANT_KERNELS, and `rest` (the cost model the scheduling passes order by)."""
+    zpp_compile's code and pass lists, the Config, the Topology, the parameters' shard specs, the
+    quantization kernels forced by ZPP_QUANT_KERNELS, and `rest` (the cost model's rates)."""
     from . import passes
 
     pipeline = [
