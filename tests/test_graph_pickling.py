@@ -1,6 +1,6 @@
 """A rewritten graph survives pickling with its fake values (graph_pickling.py): views (whose
-base's description torch leaves holding the process's fake mode) and module stacks naming classes
-made at run time (as shard() makes them) included."""
+base's description torch leaves holding the process's fake mode), tensors sharing a storage
+without being views, and module stacks naming classes made at run time (as shard() makes them)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ def _graph_with_a_view() -> fx.GraphModule:
     flat = graph.call_function(aten.view.default, (w, [-1]))
     head = graph.call_function(aten.slice.Tensor, (flat, 0, 0, 3))
     out = graph.call_function(aten.add.Tensor, (graph.call_function(aten.mm.default, (x, w)), head))
-    graph.output((out,))
+    copied = graph.call_function(aten.clone.default, (w,))
+    bits = graph.call_function(aten.view.dtype, (copied, torch.int32))  # shares storage, not marked a view
+    graph.output((out, bits))
     local_class = type("Linear", (torch.nn.Linear,), {})  # not findable by name, as shard()'s classes
     with FakeTensorMode() as mode:
         values = {x: mode.from_tensor(torch.ones(2, 3)), w: mode.from_tensor(torch.ones(3, 3))}
@@ -46,9 +48,11 @@ def test_a_graph_with_views_and_run_time_classes_comes_back_with_its_fake_values
     for (name, want), (_, got) in zip(before, after):
         if isinstance(want, torch.Tensor):
             assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype), name
+    value = {n.name: n.meta.get("val") for n in loaded.graph.nodes}
+    assert value["view_dtype"].untyped_storage()._cdata == value["clone_default"].untyped_storage()._cdata
     head, w = loaded.graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor)[0], "w"
     assert head.meta["val"]._base is next(n for n in loaded.graph.nodes if n.name == w).meta["val"]
     assert all("fwd_nn_module_stack" not in n.meta for n in loaded.graph.nodes)
     assert all(n.meta["custom"] == {"zpp_param_input": 1} for n in loaded.graph.nodes)
     x, w = torch.randn(2, 3), torch.randn(3, 3)
-    assert torch.equal(loaded(x, w)[0], gm(x, w)[0])
+    assert all(torch.equal(a, b) for a, b in zip(loaded(x, w), gm(x, w)))

@@ -4,7 +4,7 @@ graphs the passes left, and a restarted job only lowers them again (Inductor's F
 AOTAutograd caches a compile only when its compilers return an OutputCode it can serialize.
 Inductor's compilers do; a compiler that wraps Inductor (as zeropp's does: passes, then Inductor
 region by region) gets no caching, so every start traced the joint graph, partitioned it and ran
-every pass again (20-30 s of a warm start at GPT-2 small). Here each phase's compile returns a
+every pass again (26-38 s of the backend's time on a warm start at GPT-2 small). Here each phase's compile returns a
 ZeroppOutputCode: the rewritten graph (pickled with torch's GraphPickler, fake values included),
 the schedule markers read before the passes, and the lowered callable. AOTAutograd keeps it in
 its bundled cache entry next to its own runtime metadata (views, mutations, DTensor wrapping); a
@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import dataclasses
 import hashlib
+import logging
 import os
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -42,6 +43,8 @@ from .config import Config
 from .schedule_check import ScheduledCollective
 from .topology import Topology
 
+log = logging.getLogger(__name__)
+
 # The backend's lowering of a loaded phase, set while it runs AOTAutograd (see caching()).
 _LOWER: contextvars.ContextVar[Optional[Callable[[RewrittenPhase, list[Any]], Callable]]] = contextvars.ContextVar(
     "zpp_aot_cache_lower", default=None
@@ -54,12 +57,38 @@ class RewrittenPhase:
     """One phase's graph as zpp_compile's passes left it, with what lowering it needs besides."""
 
     phase: str  # "forward" | "backward" | "inference"
-    gm: fx.GraphModule
+    gm: Optional[fx.GraphModule]  # None only in the pickled copy (the graph is pickled apart)
     markers: tuple[ScheduledCollective, ...]  # the schedule entries read off the markers before the passes
+    # The strides of the inputs AOTAutograd handed the compiler, where they differ from the
+    # placeholders' values: it restrides the backward's saved activations to those the compiled
+    # forward makes (Inductor's layout optimization), in its inputs only.
+    input_strides: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    @staticmethod
+    def of(
+        phase: str, gm: fx.GraphModule, markers: Sequence[ScheduledCollective], inputs: Sequence[Any]
+    ) -> RewrittenPhase:
+        """The phase as the passes left `gm`; `inputs`: the example inputs the compiler was given."""
+        placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        strides = {
+            i: tuple(given.stride())
+            for i, (given, traced) in enumerate(zip(inputs, placeholders))
+            if _static_strides(given) and _static_strides(traced) and given.stride() != traced.stride()
+        }  # fmt: skip
+        return RewrittenPhase(phase, gm, tuple(markers), strides)
 
     def example_inputs(self) -> list[Any]:
-        """The graph's inputs as its placeholders' fake values (what AOTAutograd handed the compiler)."""
-        return [n.meta.get("val") for n in self.gm.graph.nodes if n.op == "placeholder"]
+        """The inputs AOTAutograd handed the compiler: the placeholders' fake values, restrided."""
+        assert self.gm is not None
+        values = [n.meta.get("val") for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for i, stride in self.input_strides.items():
+            values[i] = values[i].as_strided(values[i].size(), stride)
+        return values
+
+
+def _static_strides(value: Any) -> bool:
+    """A tensor whose strides are plain ints (comparing symbolic ones would add guards)."""
+    return isinstance(value, torch.Tensor) and all(type(d) is int for d in value.stride())
 
 
 class ZeroppOutputCode(OutputCode):
@@ -93,25 +122,33 @@ class ZeroppOutputCode(OutputCode):
             self._pickled_graph = graph_pickling.dumps(rewritten.gm)
         except Exception as err:  # anything GraphPickler cannot carry: compile again next time
             raise BypassAOTAutogradCache(f"zpp_compile: the rewritten graph cannot be pickled ({err})") from err
-        self._rewritten = dataclasses.replace(rewritten, gm=None)  # type: ignore[arg-type]
+        self._rewritten = dataclasses.replace(rewritten, gm=None)
         self._compiled = None
 
     def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
-        """On a cache hit: unpickle the graph into this compile's fake mode and lower it."""
+        """On a cache hit: unpickle the graph into this compile's fake mode and lower it. A failure
+        counts as a miss: AOTAutograd compiles afresh and overwrites the entry."""
+        from torch._functorch._aot_autograd.autograd_cache import FXGraphCacheMiss
         from torch._guards import detect_fake_mode
 
         if self._compiled is not None:
             return
         lower = _LOWER.get()
         if lower is None or self._pickled_graph is None or self._rewritten is None:
-            raise RuntimeError("zpp_compile: a cached zeropp graph can only be loaded by backend='zeropp'")
-        fake_mode = detect_fake_mode(example_inputs)
-        gm = graph_pickling.loads(self._pickled_graph, fake_mode)
-        assert isinstance(gm, fx.GraphModule)
-        gm.recompile()
-        rewritten = dataclasses.replace(self._rewritten, gm=gm)
-        self._compiled = lower(rewritten, rewritten.example_inputs())
-        self._rewritten = rewritten
+            raise FXGraphCacheMiss("zpp_compile: a cached zeropp graph can only be loaded by backend='zeropp'")
+        try:
+            gm = graph_pickling.loads(self._pickled_graph, detect_fake_mode(example_inputs))
+            gm.recompile()
+            rewritten = dataclasses.replace(self._rewritten, gm=gm)
+            self._compiled = lower(rewritten, rewritten.example_inputs())
+        except Exception as err:
+            log.warning(
+                "zpp_compile: a cached %s graph could not be loaded (%r); compiling it again",
+                self._rewritten.phase,
+                err,
+            )
+            raise FXGraphCacheMiss(f"zpp_compile: loading the cached graph failed: {err!r}") from err
+        self._rewritten, self._pickled_graph = rewritten, None
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass
@@ -130,14 +167,22 @@ def unkept_reason(gm: fx.GraphModule) -> Optional[str]:
         getattr(hops, name, None) for name in ("triton_kernel_wrapper_functional", "triton_kernel_wrapper_mutation")
     }
     per_process.discard(None)
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in per_process:
-            return f"{node.name} calls a Triton kernel by this process's kernel table index"
+    for module in gm.modules():  # subgraphs too (higher-order ops hold theirs as submodules)
+        for node in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
+            if node.op == "call_function" and node.target in per_process:
+                return f"{node.name} calls a Triton kernel by this process's kernel table index"
     return None
 
 
 def bypass_reason(config: Config) -> Optional[str]:
     """Why the graphs of a model with this Config are not kept in AOTAutograd's cache, or None."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    if not functorch_config.enable_autograd_cache or not inductor_config.fx_graph_cache:
+        return "AOTAutograd's or Inductor's local cache is off"
+    if inductor_config.force_disable_caches:
+        return "torch._inductor.config.force_disable_caches"
     if config.lowering != "inductor":
         return f'lowering="{config.lowering}"'
     if config.auto_plan:
@@ -149,10 +194,10 @@ def bypass_reason(config: Config) -> Optional[str]:
     return None
 
 
-def key_tag(config: Config, topology: Topology, shard_specs: Sequence[Any], *rest: Any) -> str:
+def key_tag(config: Config, topology: Topology, shard_specs: Sequence[Any], cost_model: Any) -> str:
     """What zeropp's rewrite depends on beyond AOTAutograd's own key (see the module docstring):
     zpp_compile's code and pass lists, the Config, the Topology, the parameters' shard specs, the
-    quantization kernels forced by ZPP_QUANT_KERNELS, and `rest` (the cost model's rates)."""
+    quantization kernels forced by ZPP_QUANT_KERNELS, and the cost model's rates."""
     from . import passes
 
     pipeline = [
@@ -164,7 +209,7 @@ def key_tag(config: Config, topology: Topology, shard_specs: Sequence[Any], *res
     # it (qgZ error feedback does, and is not cached), so a second model of a process may load the first's.
     specs = tuple(repr(dataclasses.replace(spec, plan_id=0)) for spec in shard_specs)
     kernels = os.environ.get("ZPP_QUANT_KERNELS")  # the quantization kernels forced (codegen/registry.py)
-    text = repr((code_version(), pipeline, config, topology, specs, kernels, rest))
+    text = repr((code_version(), pipeline, config, topology, specs, kernels, cost_model))
     return "zeropp-" + hashlib.sha256(text.encode()).hexdigest()
 
 

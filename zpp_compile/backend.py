@@ -74,7 +74,8 @@ class GraphRecord:
     # Config(plan="auto"): the plan chosen for this graph (auto_plan.AutoPlan); None otherwise.
     auto_plan: Optional[Any] = None
     # What AOTAutograd's cache did for the graph (aot_cache.py): "hit" (no pass ran: the rewritten
-    # graphs were loaded), "miss", or "bypass: <why>".
+    # graphs were loaded), "miss", "bypass: <why>" (not looked up), "miss, not kept: <why>", or
+    # counts when a load failed and the graph was compiled again ("1 miss, 1 bypass").
     aot_cache: str = ""
 
 
@@ -314,7 +315,7 @@ def _compile_partitioned(
     record = _RECORDS[ctx.graph_id]
     if record.auto_plan is not None:
         record.auto_plan.note_compiled(ctx.phase, gm)
-    rewritten = aot_cache.RewrittenPhase(ctx.phase, gm, tuple(markers))
+    rewritten = aot_cache.RewrittenPhase.of(ctx.phase, gm, markers, example_inputs)
     return aot_cache.output_code(rewritten, _lower(rewritten, example_inputs, ctx=ctx, use_inductor=use_inductor))
 
 

@@ -72,9 +72,10 @@ def aot_autograd_cache_counts() -> tuple[int, int, int]:
 
 
 def cache_outcome(before: tuple[int, int, int], after: tuple[int, int, int]) -> str:
-    """What Inductor's FX-graph cache did for one phase's compiles: "hit", "miss" or "bypass" when
-    all of its graphs (regions: see inductor_regions) had the same outcome, else the counts
-    ("9 hit, 3 miss"); "off" when nothing was looked up (caches disabled)."""
+    """What a cache did between two readings of its counters (fx_graph_cache_counts for one phase's
+    Inductor compiles, aot_autograd_cache_counts for a graph): "hit", "miss" or "bypass" when all
+    lookups (regions: see inductor_regions) had the same outcome, else the counts ("9 hit, 3
+    miss"); "off" when nothing was looked up (caches disabled)."""
     counts = {kind: a - b for kind, a, b in zip(("hit", "miss", "bypass"), after, before) if a - b}
     if len(counts) == 1:
         return next(iter(counts))
@@ -89,6 +90,7 @@ def log_phase(graph_label: str, stages: StageSeconds, phase: str, cache: Optiona
 
 
 def log_graph(graph_label: str, stages: StageSeconds, aot_cache: str) -> None:
-    """INFO: the backend's whole time on a graph so far (a lazily compiled backward comes later)."""
+    """INFO: the backend's whole time on a graph so far (a lazily compiled backward, where
+    AOTAutograd's cache is not used, comes later), and what that cache did."""
     if log.isEnabledFor(logging.INFO):
         log.info("zpp_compile: %s: backend took %s; AOTAutograd cache %s", graph_label, summary(stages), aot_cache)

@@ -21,6 +21,8 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import _graph_pickler as graph_pickler
 from torch.utils._mode_utils import no_dispatch
@@ -45,6 +47,26 @@ def _is_plain(t: torch.Tensor) -> bool:
     if type(t) is not FakeTensor or t.layout != torch.strided or t.is_quantized:
         return False
     return all(type(d) is int for d in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _shared_storages(gm: fx.GraphModule) -> set[int]:
+    """The storages of gm's fake values that hold more than one base tensor and its views (e.g. a
+    dtype view, which fake tensors do not mark as a view): torch's way keeps their sharing, the
+    direct one would not."""
+    roots: dict[int, int] = {}
+    shared = set()
+    for node in gm.graph.nodes:
+        for t in pytree.tree_leaves(node.meta.get("val")):
+            if not isinstance(t, FakeTensor) or t.layout != torch.strided:
+                continue
+            root = t._base if t._is_view() else t
+            if roots.setdefault(_storage(t), id(root)) != id(root):
+                shared.add(_storage(t))
+    return shared
 
 
 def _plain_reduction(t: FakeTensor, state: Any) -> Any:
@@ -75,9 +97,11 @@ def _rebuild_view(base: FakeTensor, shape: tuple, stride: tuple, offset: int) ->
 
 
 class _GraphPickler(graph_pickler.GraphPickler):
+    shared: set[int] = set()  # storages that take torch's way (_shared_storages): set per dump
+
     def reducer_override(self, obj: object) -> Any:
         if isinstance(obj, FakeTensor):
-            plain = _plain_reduction(obj, self._unpickle_state)
+            plain = None if _storage(obj) in self.shared else _plain_reduction(obj, self._unpickle_state)
             if plain is not None:
                 return plain
             return _TensorPickleData.unpickle, (
@@ -91,10 +115,9 @@ def _kept_metadata(key: str) -> bool:
     return key not in _MODULE_STACKS
 
 
-def dumps(obj: object) -> bytes:
-    return _GraphPickler.dumps(
-        obj, options=graph_pickler.Options(ops_filter=None, node_metadata_key_filter=_kept_metadata)
-    )
+def dumps(gm: fx.GraphModule) -> bytes:
+    pickler = type("_GraphPicklerOfOneGraph", (_GraphPickler,), {"shared": _shared_storages(gm)})
+    return pickler.dumps(gm, options=graph_pickler.Options(ops_filter=None, node_metadata_key_filter=_kept_metadata))
 
 
 def loads(data: bytes, fake_mode: Any) -> Any:
