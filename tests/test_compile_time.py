@@ -12,12 +12,14 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._functorch.aot_autograd import make_boxed_func
+from torch.compiler._cache import CacheArtifactManager
 
 import zpp_compile
 from examples.training_utils import compile_times_logged
@@ -101,12 +103,15 @@ def aot_autograd_cache(enabled: bool):
     return functorch_config.patch(enable_autograd_cache=enabled)
 
 
-def _train_from(cache: str, config: zpp_compile.Config, steps: int = 2) -> dict:
-    """A fresh model trained `steps` steps with Inductor's (and AOTAutograd's) cache in `cache`."""
+def _train_from(cache: str, config: zpp_compile.Config, steps: int = 2, artifacts: Optional[bytes] = None) -> dict:
+    """A fresh model trained `steps` steps with Inductor's (and AOTAutograd's) cache in `cache`,
+    after torch.compiler.load_cache_artifacts(`artifacts`) when given."""
     world, rank = dist.get_world_size(), dist.get_rank()
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     try:
+        if artifacts is not None:
+            torch.compiler.load_cache_artifacts(artifacts)
         torch.manual_seed(0)
         model = zpp_compile.shard(build("gpt"), config)
         compiled = torch.compile(model, backend="zeropp")
@@ -163,6 +168,24 @@ def test_a_second_start_loads_the_rewritten_graphs_and_trains_bitwise_alike(pool
         assert second["losses"] == first["losses"]
         for name, shard in first["shards"].items():
             assert torch.equal(second["shards"][name], shard), name
+
+
+def train_then_start_again_from_saved_artifacts(root: str, config: zpp_compile.Config) -> tuple[dict, dict]:
+    """Train from an empty folder, keep what torch.compiler.save_cache_artifacts() gives, and train
+    again from another empty folder after loading it (the "mega-cache" of a job moved elsewhere)."""
+    with CacheArtifactManager.with_fresh_cache():  # only this training's artifacts
+        first = _train_from(os.path.join(root, "first"), config)
+        artifacts, _ = torch.compiler.save_cache_artifacts()
+    return first, _train_from(os.path.join(root, f"second-rank{dist.get_rank()}"), config, artifacts=artifacts)
+
+
+def test_a_start_from_the_mega_cache_in_a_new_folder_loads_the_rewritten_graphs(pools, tmp_path):
+    """The saved artifacts carry the measured rates (part of AOTAutograd's key, through the
+    scheduling passes): a new folder loading them hits AOTAutograd's cache and trains alike."""
+    for first, second in pools(2).run(train_then_start_again_from_saved_artifacts, str(tmp_path), zpp_compile.Config()):
+        assert all(outcome == "miss" for outcome in first["aot_cache"]), first["aot_cache"]
+        assert all(outcome == "hit" for outcome in second["aot_cache"]), second["aot_cache"]
+        assert second["losses"] == first["losses"]
 
 
 def train_once_from(cache: str, config: zpp_compile.Config) -> dict:

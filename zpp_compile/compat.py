@@ -44,6 +44,7 @@ PRIVATE_APIS: Mapping[str, tuple[str, ...]] = {
     "torch._guards": ("CompileContext", "TracingContext", "detect_fake_mode", "tracing"),
     "torch._inductor.config": ("patch", "fallback_random"),
     "torch._inductor.output_code": ("OutputCode",),
+    "torch.compiler._cache": ("CacheArtifact", "CacheArtifactFactory", "CacheArtifactManager"),
     "torch._inductor.fx_passes.bucketing": (
         "bucket_key",
         "greedy_bucket_collective_by_mb",
