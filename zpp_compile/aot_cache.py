@@ -14,7 +14,8 @@ What the key holds beyond AOTAutograd's own (the Dynamo graph, input metadata, t
 Inductor configs): a tag with zpp_compile's code and pass lists, the Config, the Topology (rank and
 group names included: they are in the graphs), the parameters' shard specs, the quantization
 kernels forced by ZPP_QUANT_KERNELS and the cost model's rates (the scheduling passes order by
-them). The tag is torch's `cache_key_tag`, set only while AOTAutograd computes its key; Inductor's
+them). Config fields only the lowering and the run-time wrappers read (check_schedule,
+collective_timeout_s, share_compiles) are left out: a hit lowers with the new Config. The tag is torch's `cache_key_tag`, set only while AOTAutograd computes its key; Inductor's
 compiles inside see the user's own tag, so the regions the ranks of a host share keep one key.
 
 Not cached (the compile runs as before; GraphRecord.aot_cache says why): Config(plan="auto") (the
@@ -40,6 +41,7 @@ from torch._inductor.output_code import OutputCode
 from . import graph_pickling
 from .cache_folders import code_version
 from .config import Config
+from .passes.graph_utils import has_static_geometry
 from .schedule_check import ScheduledCollective
 from .topology import Topology
 
@@ -63,6 +65,7 @@ class RewrittenPhase:
     # placeholders' values: it restrides the backward's saved activations to those the compiled
     # forward makes (Inductor's layout optimization), in its inputs only.
     input_strides: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    unkept: Optional[str] = None  # why the graph cannot be loaded in another process (unkept_reason)
 
     @staticmethod
     def of(
@@ -73,9 +76,9 @@ class RewrittenPhase:
         strides = {
             i: tuple(given.stride())
             for i, (given, traced) in enumerate(zip(inputs, placeholders))
-            if _static_strides(given) and _static_strides(traced) and given.stride() != traced.stride()
+            if _static_tensor(given) and _static_tensor(traced) and given.stride() != traced.stride()
         }  # fmt: skip
-        return RewrittenPhase(phase, gm, tuple(markers), strides)
+        return RewrittenPhase(phase, gm, tuple(markers), strides, unkept_reason(gm))
 
     def example_inputs(self) -> list[Any]:
         """The inputs AOTAutograd handed the compiler: the placeholders' fake values, restrided."""
@@ -86,9 +89,8 @@ class RewrittenPhase:
         return values
 
 
-def _static_strides(value: Any) -> bool:
-    """A tensor whose strides are plain ints (comparing symbolic ones would add guards)."""
-    return isinstance(value, torch.Tensor) and all(type(d) is int for d in value.stride())
+def _static_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and has_static_geometry(value)
 
 
 class ZeroppOutputCode(OutputCode):
@@ -115,9 +117,8 @@ class ZeroppOutputCode(OutputCode):
         rewritten = self._rewritten
         if rewritten is None:
             return
-        reason = unkept_reason(rewritten.gm)
-        if reason is not None:
-            raise BypassAOTAutogradCache(f"zpp_compile: {reason}")
+        if rewritten.unkept is not None:
+            raise BypassAOTAutogradCache(f"zpp_compile: {rewritten.unkept}")
         try:
             self._pickled_graph = graph_pickling.dumps(rewritten.gm)
         except Exception as err:  # anything GraphPickler cannot carry: compile again next time
@@ -194,6 +195,11 @@ def bypass_reason(config: Config) -> Optional[str]:
     return None
 
 
+# Config fields only the lowering and the run-time wrappers read, which a cache hit runs afresh
+# with the new Config: changing them between starts must not miss.
+_LOWERING_ONLY = ("check_schedule", "collective_timeout_s", "share_compiles")
+
+
 def key_tag(config: Config, topology: Topology, shard_specs: Sequence[Any], cost_model: Any) -> str:
     """What zeropp's rewrite depends on beyond AOTAutograd's own key (see the module docstring):
     zpp_compile's code and pass lists, the Config, the Topology, the parameters' shard specs, the
@@ -209,7 +215,9 @@ def key_tag(config: Config, topology: Topology, shard_specs: Sequence[Any], cost
     # it (qgZ error feedback does, and is not cached), so a second model of a process may load the first's.
     specs = tuple(repr(dataclasses.replace(spec, plan_id=0)) for spec in shard_specs)
     kernels = os.environ.get("ZPP_QUANT_KERNELS")  # the quantization kernels forced (codegen/registry.py)
-    text = repr((code_version(), pipeline, config, topology, specs, kernels, cost_model))
+    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _LOWERING_ONLY}
+    topology = dataclasses.replace(topology, collective_timeout_s=None)  # the group names tell timeouts apart
+    text = repr((code_version(), pipeline, settings, topology, specs, kernels, cost_model))
     return "zeropp-" + hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -105,8 +105,7 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
         return compile_fx(gm, example_inputs)
     _report_recompile_storm(state)
     param_positions = [i for i, v in enumerate(example_inputs) if shard_spec(v) is not None]
-    use_inductor = state.config.lowering == "inductor"
-    decompositions = _inductor_decompositions() if use_inductor else {}
+    decompositions = _inductor_decompositions() if state.config.lowering == "inductor" else {}
     ctx = passes.PassContext(
         config=state.config, topology=state.topology, graph_id=next(_graph_ids), decompositions=decompositions,
         cost_model=state.cost_model, plan_id=state.plan_id,
@@ -117,7 +116,7 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
     # Exclusive timing: what the stages inside do not account for is AOTAutograd's own work.
     with ctx.stage_seconds.timed(compile_timing.AOT_TRACE):
         gm = passes.run_passes(gm, ctx.for_phase("dynamo"), passes.PRE_AUTOGRAD_PASSES)
-        compiled = _aot_autograd(gm, example_inputs, ctx=ctx, state=state, use_inductor=use_inductor)
+        compiled = _aot_autograd(gm, example_inputs, ctx=ctx, state=state)
     record = _RECORDS[ctx.graph_id]
     compile_timing.log_graph(f"graph{ctx.graph_id}", ctx.stage_seconds, record.aot_cache)
     return _naming_parameters(compiled, param_positions)
@@ -129,13 +128,12 @@ def _aot_autograd(
     *,
     ctx: passes.PassContext,
     state: ShardedState,
-    use_inductor: bool,
 ) -> Callable:
     """AOTAutograd with zeropp's partition and compilers, through AOTAutograd's cache where the
     Config allows (aot_cache.py: a warm start loads the rewritten graphs instead of tracing)."""
     # The compilers take the phase's context when they run: Config(plan="auto") settings are
     # chosen on the joint (or inference) graph, after this point.
-    compile_graph = functools.partial(_compile_partitioned, ctx=ctx, state=state, use_inductor=use_inductor)
+    compile_graph = functools.partial(_compile_partitioned, ctx=ctx, state=state)
     compilers = {
         f"{name}_compiler": functools.partial(compile_graph, phase=phase)
         for name, phase in (("fw", "forward"), ("bw", "backward"), ("inference", "inference"))
@@ -148,7 +146,7 @@ def _aot_autograd(
         }
         specs = [shard_spec(example_inputs[i]) for i in ctx.parameter_positions]
         tag = aot_cache.key_tag(state.config, state.topology, specs, state.cost_model)
-        caching = aot_cache.caching(tag, functools.partial(_lower, ctx=ctx, use_inductor=use_inductor))
+        caching = aot_cache.caching(tag, functools.partial(_lower, ctx=ctx))
     before = compile_timing.aot_autograd_cache_counts()
     with caching:
         compiled = aot_autograd(
@@ -165,10 +163,8 @@ def _aot_cache_outcome(record: GraphRecord, before: tuple[int, int, int], bypass
     """What AOTAutograd's cache did for a graph, in GraphRecord.aot_cache's words."""
     if bypass is not None:
         return f"bypass: {bypass}"
-    graphs = (g for g in (record.forward, record.backward) if g is not None)
-    unkept = next(filter(None, map(aot_cache.unkept_reason, graphs)), None)
-    if unkept is not None:  # AOTAutograd tried to save it, and the graph refused (aot_cache.py)
-        return f"miss, not kept: {unkept}"
+    if record.aot_cache.startswith("miss, not kept"):  # set by _lower: the graph refused to be saved
+        return record.aot_cache
     return compile_timing.cache_outcome(before, compile_timing.aot_autograd_cache_counts())
 
 
@@ -304,7 +300,6 @@ def _compile_partitioned(
     ctx: passes.PassContext,
     state: ShardedState,
     phase: str,
-    use_inductor: bool,
 ) -> Callable:
     _apply_auto_plan(ctx, state, gm, training=False)  # an inference graph: no joint graph before it
     ctx = ctx.for_phase(phase)
@@ -316,25 +311,26 @@ def _compile_partitioned(
     if record.auto_plan is not None:
         record.auto_plan.note_compiled(ctx.phase, gm)
     rewritten = aot_cache.RewrittenPhase.of(ctx.phase, gm, markers, example_inputs)
-    return aot_cache.output_code(rewritten, _lower(rewritten, example_inputs, ctx=ctx, use_inductor=use_inductor))
+    return aot_cache.output_code(rewritten, _lower(rewritten, example_inputs, ctx=ctx))
 
 
-def _lower(
-    rewritten: aot_cache.RewrittenPhase, example_inputs: Sequence[Any], *, ctx: passes.PassContext, use_inductor: bool
-) -> Callable:
+def _lower(rewritten: aot_cache.RewrittenPhase, example_inputs: Sequence[Any], *, ctx: passes.PassContext) -> Callable:
     """A rewritten phase as it runs: Inductor's (or the FX graph's own) code, counting its
     collectives and checking its schedule. Also what a warm start does with a cached phase."""
     ctx = ctx.for_phase(rewritten.phase)
     gm = rewritten.gm
+    direction = "backward" if ctx.phase == "backward" else "forward"  # an inference graph runs forward
     with ctx.stage_seconds.timed(f"{ctx.phase}/schedule_record"):
-        collectives = collectives_in(gm, "backward" if ctx.phase == "backward" else "forward", ctx.label)
+        collectives = collectives_in(gm, direction, ctx.label)
         schedule = Schedule(ctx.label, (*rewritten.markers, *map(as_scheduled, collectives)))
     record = _RECORDS[ctx.graph_id]
-    setattr(record, "backward" if ctx.phase == "backward" else "forward", gm)
+    setattr(record, direction, gm)
     record.collectives[ctx.phase] = collectives
     if ctx.phase == "backward":
         record.saved_for_backward = _saved_for_backward(gm)
-    if use_inductor:
+    if rewritten.unkept is not None:
+        record.aot_cache = f"miss, not kept: {rewritten.unkept}"
+    if ctx.config.lowering == "inductor":
         lowered, lowered_inputs, moved = _opaque_inputs_outside(gm, example_inputs)
         cache_before = compile_timing.fx_graph_cache_counts()
         with eager_random_ops(), aot_cache.inductor_own_settings(), ctx.stage_seconds.timed(f"{ctx.phase}/inductor"):

@@ -27,6 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import _graph_pickler as graph_pickler
 from torch.utils._mode_utils import no_dispatch
 
+from .passes.graph_utils import has_static_geometry
+
 _MODULE_STACKS = ("nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "fwd_source_fn_stack")
 
 
@@ -44,9 +46,7 @@ def _geometry(t: torch.Tensor) -> tuple:
 
 def _is_plain(t: torch.Tensor) -> bool:
     """A dense fake tensor with static sizes, strides and offset (no SymInt among them)."""
-    if type(t) is not FakeTensor or t.layout != torch.strided or t.is_quantized:
-        return False
-    return all(type(d) is int for d in (*t.shape, *t.stride(), t.storage_offset()))
+    return type(t) is FakeTensor and t.layout == torch.strided and not t.is_quantized and has_static_geometry(t)
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -60,13 +60,18 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return backward
 
 
+def has_static_geometry(t: torch.Tensor) -> bool:
+    """Whether a tensor's sizes (and, strided, its strides and offset) are plain ints, no SymInt
+    (dynamic shapes; reading a symbolic one would add guards)."""
+    dims = (*t.shape, *t.stride(), t.storage_offset()) if t.layout == torch.strided else tuple(t.shape)
+    return all(type(d) is int for d in dims)
+
+
 def first_symbolic_node(gm: fx.GraphModule) -> Optional[fx.Node]:
-    """The first node whose value is a SymInt or a tensor with a symbolic size (dynamic shapes)."""
+    """The first node whose value is a SymInt or a tensor with symbolic geometry (dynamic shapes)."""
     for node in gm.graph.nodes:
         v = node.meta.get("val")
-        if isinstance(v, torch.SymInt) or (
-            isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
-        ):
+        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not has_static_geometry(v)):
             return node
     return None
 
