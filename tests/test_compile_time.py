@@ -176,16 +176,40 @@ def train_then_start_again_from_saved_artifacts(root: str, config: zpp_compile.C
     with CacheArtifactManager.with_fresh_cache():  # only this training's artifacts
         first = _train_from(os.path.join(root, "first"), config)
         artifacts, _ = torch.compiler.save_cache_artifacts()
-    return first, _train_from(os.path.join(root, f"second-rank{dist.get_rank()}"), config, artifacts=artifacts)
+    second = _train_from(os.path.join(root, f"second-rank{dist.get_rank()}"), config, artifacts=artifacts)
+    return first, second, artifacts
+
+
+# A process that loads the mega-cache before it imports zpp_compile (as a script may, at its top).
+_LOAD_WITHOUT_ZPP_COMPILE = """
+import json, sys, torch
+info = torch.compiler.load_cache_artifacts(open(sys.argv[1], "rb").read())
+assert "zpp_compile" not in sys.modules
+print(json.dumps({kind: len(entries) for kind, entries in info.artifacts.items()}))
+"""
 
 
 def test_a_start_from_the_mega_cache_in_a_new_folder_loads_the_rewritten_graphs(pools, tmp_path):
     """The saved artifacts carry the measured rates (part of AOTAutograd's key, through the
-    scheduling passes): a new folder loading them hits AOTAutograd's cache and trains alike."""
-    for first, second in pools(2).run(train_then_start_again_from_saved_artifacts, str(tmp_path), zpp_compile.Config()):
+    scheduling passes): a new folder loading them hits AOTAutograd's cache and trains alike. They
+    load also where zpp_compile is not imported yet, graphs and rates alike."""
+    results = pools(2).run(train_then_start_again_from_saved_artifacts, str(tmp_path), zpp_compile.Config())
+    for first, second, _ in results:
         assert all(outcome == "miss" for outcome in first["aot_cache"]), first["aot_cache"]
         assert all(outcome == "hit" for outcome in second["aot_cache"]), second["aot_cache"]
         assert second["losses"] == first["losses"]
+    (tmp_path / "artifacts").write_bytes(results[0][2])
+    cache = tmp_path / "third"
+    loaded = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_ZPP_COMPILE, str(tmp_path / "artifacts")],
+        env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache)), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr
+    kinds = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert kinds.get("aot_autograd") and kinds.get("inductor"), kinds
+    name = rates_file(2, torch.device("cpu")).name
+    remembered = json.loads((cache / "zpp_compile" / name).read_text())
+    assert remembered == json.loads((tmp_path / "first" / "zpp_compile" / name).read_text())
 
 
 def train_once_from(cache: str, config: zpp_compile.Config) -> dict:

@@ -44,7 +44,7 @@ PRIVATE_APIS: Mapping[str, tuple[str, ...]] = {
     "torch._guards": ("CompileContext", "TracingContext", "detect_fake_mode", "tracing"),
     "torch._inductor.config": ("patch", "fallback_random"),
     "torch._inductor.output_code": ("OutputCode",),
-    "torch.compiler._cache": ("CacheArtifact", "CacheArtifactFactory", "CacheArtifactManager"),
+    "torch.compiler._cache": ("CacheArtifactManager",),
     "torch._inductor.fx_passes.bucketing": (
         "bucket_key",
         "greedy_bucket_collective_by_mb",
@@ -68,6 +68,7 @@ PRIVATE_APIS: Mapping[str, tuple[str, ...]] = {
 LAZY_PRIVATE_APIS: Mapping[str, tuple[str, ...]] = {
     "torch._inductor.compile_fx": ("compile_fx", "compile_fx_inner", "partition_fn"),
     "torch._inductor.decomposition": ("select_decomp_table",),
+    "torch._inductor.runtime.autotune_cache": ("AutotuneCacheArtifact",),
 }
 
 

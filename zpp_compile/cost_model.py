@@ -10,8 +10,8 @@ Rates come from the Config or are measured once, in shard(), and then reduced to
 rank's value, so every rank holds the same model and the passes take the same decisions
 (passes/README.md, invariant 1). Measured rates are remembered in Inductor's cache folder, so a
 restarted job takes the decisions it took before and its graphs hit the FX-graph cache; they travel
-in torch.compiler.save_cache_artifacts() too (RatesArtifact), so a job started in a new folder from
-that "mega-cache" takes them as well and hits AOTAutograd's cache, whose key holds them.
+in torch.compiler.save_cache_artifacts() too (_carried_in_mega_cache), so a job started in a new
+folder from that "mega-cache" takes them as well and hits AOTAutograd's cache, whose key holds them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.compiler._cache import CacheArtifact, CacheArtifactFactory, CacheArtifactManager
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
@@ -230,8 +229,22 @@ def _remembered(
     rates = dict(zip(measured, agreed.tolist()))
     if rates != stored and int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0:
         _write_rates(path, rates)
-    CacheArtifactManager.record_artifact(RatesArtifact.type(), path.name, json.dumps(rates).encode())
+    _carried_in_mega_cache(path, rates)
     return rates
+
+
+def _carried_in_mega_cache(path: Path, rates: dict[str, float]) -> None:
+    """Record the rates file in torch.compiler.save_cache_artifacts()'s collection, as a file of
+    the cache folder: load_cache_artifacts() writes it into the loading process's folder.
+
+    Why torch's "autotune" artifact type: its entries are files under the cache folder with the
+    key as their relative path, as ours is. A type of our own would have to be registered before
+    load_cache_artifacts() runs, and without it torch rejects the whole mega-cache, its graphs too."""
+    from torch._inductor.runtime.autotune_cache import AutotuneCacheArtifact
+    from torch.compiler._cache import CacheArtifactManager
+
+    key = str(path.relative_to(_rates_folder().parent))
+    CacheArtifactManager.record_artifact(AutotuneCacheArtifact.type(), key, rates)
 
 
 def rates_file(world: int, device: torch.device, nodes: int = 1, auto: bool = False) -> Path:
@@ -245,22 +258,6 @@ def _rates_folder() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir()) / "zpp_compile"
-
-
-@CacheArtifactFactory.register
-class RatesArtifact(CacheArtifact):
-    """The rates a run took, as one entry of torch.compiler.save_cache_artifacts(): key = the rates
-    file's name, content = its JSON. load_cache_artifacts() writes the file into the cache folder
-    of the loading process (zpp_compile must be imported before, for torch to know this type)."""
-
-    @staticmethod
-    def type() -> str:
-        return "zpp_compile_rates"
-
-    def populate_cache(self) -> None:
-        if Path(self.key).name != self.key:  # a file name, never a path out of the folder
-            raise ValueError(f"zpp_compile rates artifact with a path for a name: {self.key!r}")
-        _write_rates(_rates_folder() / self.key, json.loads(self.content))
 
 
 def _read_rates(path: Path, names) -> Optional[dict[str, float]]:
