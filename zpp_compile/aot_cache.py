@@ -15,8 +15,9 @@ Inductor configs): a tag with zpp_compile's code and pass lists, the Config, the
 group names included: they are in the graphs), the parameters' shard specs, the quantization
 kernels forced by ZPP_QUANT_KERNELS and the cost model's rates (the scheduling passes order by
 them). Config fields only the lowering and the run-time wrappers read (check_schedule,
-collective_timeout_s, share_compiles) are left out: a hit lowers with the new Config. The tag is torch's `cache_key_tag`, set only while AOTAutograd computes its key; Inductor's
-compiles inside see the user's own tag, so the regions the ranks of a host share keep one key.
+collective_timeout_s, share_compiles) are left out: a hit lowers with the new Config. The tag is
+torch's `cache_key_tag`, set only while AOTAutograd computes its key; Inductor's compiles inside
+see the user's own tag, so the regions the ranks of a host share keep one key.
 
 Not cached (the compile runs as before; GraphRecord.aot_cache says why): Config(plan="auto") (the
 plan depends on rates measured in this process), qgZ error feedback (its state slots are numbered
