@@ -163,7 +163,7 @@ def _aot_cache_outcome(record: GraphRecord, before: tuple[int, int, int], bypass
     """What AOTAutograd's cache did for a graph, in GraphRecord.aot_cache's words."""
     if bypass is not None:
         return f"bypass: {bypass}"
-    if record.aot_cache.startswith("miss, not kept"):  # set by _lower: the graph refused to be saved
+    if record.aot_cache:  # _lower said already: "miss, not kept: <why>"
         return record.aot_cache
     return compile_timing.cache_outcome(before, compile_timing.aot_autograd_cache_counts())
 
