@@ -259,28 +259,28 @@ def local_grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad.to_local()
 
 
-def gpt_loss_curve(
-    config: zpp_compile.Config, steps: int, lr: float = 3e-3, grads: Optional[list] = None
+def loss_curve(
+    config: zpp_compile.Config, steps: int, lr: float = 3e-3, grads: Optional[list] = None, model: str = "gpt"
 ) -> tuple[list[float], nn.Module]:
-    """Train the tiny GPT sharded with `config`, compiled, for `steps` AdamW steps on this rank's
-    slice of the global batches; return the losses and the (sharded) model. With `grads`, append
-    each step's gradient shards to it."""
+    """Train the model `model` (seed 0; the tiny GPT by default) sharded with `config`, compiled,
+    for `steps` AdamW steps on this rank's slice of the global batches; return the losses and the
+    (sharded) model. With `grads`, append each step's gradient shards to it."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    model = zpp_compile.shard(build("gpt"), config)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    compiled = torch.compile(model, backend="zeropp")
+    sharded = zpp_compile.shard(build(model), config)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=lr)
+    compiled = torch.compile(sharded, backend="zeropp")
     losses = []
     for step in range(steps):
-        x, y = batch("gpt", 4 * world, step)
-        loss = loss_of("gpt", compiled, x.chunk(world)[rank], y.chunk(world)[rank])
+        x, y = batch(model, 4 * world, step)
+        loss = loss_of(model, compiled, x.chunk(world)[rank], y.chunk(world)[rank])
         loss.backward()
         if grads is not None:
-            grads.append([local_grad(p).clone() for p in model.parameters()])
+            grads.append([local_grad(p).clone() for p in sharded.parameters()])
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, model
+    return losses, sharded
 
 
 def sharded_with_reference(name: str, mode: str, config: zpp_compile.Config, lr: float = 1e-2):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ from zpp_compile.layout import shard_spec
 from zpp_compile.passes.qgz import qgz_reduce_scatter
 from zpp_compile.topology import build_topology
 
-from .models import gpt_loss_curve
+from .models import loss_curve
 from .workers import reset_process_state
 
 BLOCK = 128
@@ -127,37 +129,37 @@ def test_error_feedback_makes_the_compressed_gradient_unbiased_over_time(pools):
         assert feedback[-1] * 4 < plain[-1], (plain, feedback)
 
 
+def _qgz_curve(config: zpp_compile.Config, steps: int, model: str = "gpt") -> dict:
+    """One training's losses, backward bytes and calls, shard sizes and error feedback state."""
+    counter = zpp_compile.comm_counter()
+    counter.reset()
+    losses, sharded = loss_curve(config, steps, model=model)
+    result = {
+        "losses": losses,
+        "inter_per_step": counter.bytes(phase="backward", locality="inter", op="all_to_all") / steps,
+        "reduce_scatters": counter.calls(phase="backward", op="reduce_scatter"),
+        "all_to_alls_per_step": counter.calls(phase="backward", op="all_to_all") / steps,
+        # The gradients qgZ reduces: trainable and sharded (a 0-d parameter is replicated, all-reduced).
+        "shards": [shard_spec(p).shard_numel for p in sharded.parameters() if p.requires_grad and p.dim()],
+        "error_state_bytes": stored_error_bytes(),
+    }
+    zpp_compile.clear_error_feedback()
+    reset_process_state()
+    return result
+
+
 def qgz_training(steps: int) -> dict:
     """Loss curves of unquantized, qgZ and qgZ + error feedback training (2 nodes x 2), with bytes."""
-    result = {}
-    counter = zpp_compile.comm_counter()
-    # The reference and error feedback run as FX graphs (aot_eager) to keep the test short (Inductor
-    # compiles of 4 models took 94 s); qgZ and its unbucketed twin, compared bitwise, run under
-    # Inductor. Error feedback under Inductor: tests/test_long_run.py and tests/test_checkpoint.py.
+    # The reference and error feedback run as FX graphs (aot_eager) to keep the test short; qgZ runs
+    # under Inductor. Error feedback under Inductor: tests/test_long_run.py and tests/test_checkpoint.py.
     eager = {"lowering": "aot_eager"}
     runs = {
         "fp32": eager,
-        "qgz": {},
-        "qgz_ef": {"qgz_error_feedback": True, **eager},
-        "qgz_unbucketed": {"reduce_bucket_bytes": 0},
+        "qgz": {"quantize_gradients": True},
+        "qgz_ef": {"quantize_gradients": True, "qgz_error_feedback": True, **eager},
     }
-    for label, options in runs.items():
-        options = {"quantize_gradients": True, **options} if label != "fp32" else options
-        counter.reset()
-        losses, model = gpt_loss_curve(
-            zpp_compile.Config(ranks_per_node=2, gradient_block_size=BLOCK, **options), steps
-        )
-        result[label] = {
-            "losses": losses,
-            "inter_per_step": counter.bytes(phase="backward", locality="inter", op="all_to_all") / steps,
-            "reduce_scatters": counter.calls(phase="backward", op="reduce_scatter"),
-            "all_to_alls_per_step": counter.calls(phase="backward", op="all_to_all") / steps,
-            "shards": [shard_spec(p).shard_numel for p in model.parameters()],
-            "error_state_bytes": stored_error_bytes(),
-        }
-        zpp_compile.clear_error_feedback()
-        reset_process_state()
-    return result
+    config = zpp_compile.Config(ranks_per_node=2, gradient_block_size=BLOCK)
+    return {label: _qgz_curve(dataclasses.replace(config, **options), steps) for label, options in runs.items()}
 
 
 def test_qgz_training_tracks_fp32_and_sends_int4_across_nodes(pools):
@@ -172,13 +174,28 @@ def test_qgz_training_tracks_fp32_and_sends_int4_across_nodes(pools):
     for label in ("qgz", "qgz_ef"):
         gaps = [abs(q - f) / f for q, f in zip(result[label]["losses"], fp32["losses"])]
         assert 0 < max(gaps) <= 1e-2, (label, gaps)
-    # Error feedback keeps, per parameter, the bf16 error of both stages: [2 local, 2 nodes] chunks
-    # sent inside the node and [2 nodes] chunks sent across.
     assert qgz["error_state_bytes"] == 0
     # Error feedback state per bucket (one here): bf16 [2 local, 2 nodes] and [2 nodes] chunks.
     assert result["qgz_ef"]["error_state_bytes"] == 2 * (4 + 2) * sum(chunks)
-    # Bucketing moves the same blocks in fewer messages: the result is bitwise the same.
-    unbucketed = result["qgz_unbucketed"]
-    assert unbucketed["losses"] == qgz["losses"]
     assert qgz["all_to_alls_per_step"] == 2  # the whole backward graph fits one 25 MiB bucket
-    assert unbucketed["all_to_alls_per_step"] == 2 * len(chunks)
+
+
+def qgz_bucketing(steps: int) -> dict:
+    """qgZ training of the uneven MLP under Inductor, with buckets and with one message per parameter."""
+    config = zpp_compile.Config(ranks_per_node=2, gradient_block_size=BLOCK, quantize_gradients=True)
+    return {
+        label: _qgz_curve(dataclasses.replace(config, reduce_bucket_bytes=bucket), steps, model="mlp")
+        for label, bucket in (("bucketed", config.reduce_bucket_bytes), ("unbucketed", 0))
+    }
+
+
+def test_qgz_bucketing_sends_the_same_blocks_in_fewer_messages(pools):
+    """Bucketing packs every parameter's blocks into one buffer: the result is bitwise the same.
+    On the MLP with uneven sizes, a scalar and a frozen layer (the tiny GPT's 28 per-parameter
+    all-to-alls made Inductor take minutes)."""
+    result = pools(4).run(qgz_bucketing, 4)[0]
+    bucketed, unbucketed = result["bucketed"], result["unbucketed"]
+    assert unbucketed["losses"] == bucketed["losses"]
+    assert bucketed["inter_per_step"] == unbucketed["inter_per_step"] > 0
+    assert bucketed["all_to_alls_per_step"] == 2
+    assert unbucketed["all_to_alls_per_step"] == 2 * len(unbucketed["shards"])

@@ -13,7 +13,7 @@ import zpp_compile
 from zpp_compile.codegen.quantize import payload_numel
 from zpp_compile.layout import int8_payload, shard_spec
 
-from .models import batch, build, gpt_loss_curve, quantize_dequantize_per_shard
+from .models import batch, build, loss_curve, quantize_dequantize_per_shard
 from .workers import reset_process_state
 
 BLOCK = 64
@@ -112,7 +112,7 @@ def loss_curves(steps: int) -> dict[str, list[float]]:
     # The fp32 reference runs as FX graphs (aot_eager): one Inductor compile fewer; qwZ runs under Inductor.
     for label, quantize, lowering in (("fp32", False, "aot_eager"), ("qwz", True, "inductor")):
         config = zpp_compile.Config(quantize_weights=quantize, weight_block_size=256, lowering=lowering)
-        curves[label], _ = gpt_loss_curve(config, steps)
+        curves[label], _ = loss_curve(config, steps)
         reset_process_state()
     return curves
 

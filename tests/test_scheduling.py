@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import zpp_compile
 
-from .models import LayerFrames, gpt_loss_curve, local_grad
+from .models import LayerFrames, local_grad, loss_curve
 from .workers import reset_process_state
 
 UNSCHEDULED = {"gather_bucket_bytes": 0, "reduce_bucket_bytes": 0, "prefetch_limit": 0}
@@ -29,7 +29,7 @@ def scheduled_and_unscheduled(options: dict, steps: int) -> dict:
     for label, scheduling in (("scheduled", {}), ("unscheduled", UNSCHEDULED)):
         counter.reset()
         grads: list = []
-        losses, _ = gpt_loss_curve(zpp_compile.Config(**options, **scheduling), steps, grads=grads)
+        losses, _ = loss_curve(zpp_compile.Config(**options, **scheduling), steps, grads=grads)
         result[label] = {
             "losses": losses,
             "grads": grads,

@@ -19,7 +19,8 @@ import warnings
 from typing import Any, Callable
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("ZPP_TEST_COLLECTIVE_TIMEOUT_S", "120"))
-TASK_TIMEOUT_S = float(os.environ.get("ZPP_TEST_TASK_TIMEOUT_S", "300"))
+# A hang, not a slow machine, is what this catches: 4 ranks compiling on 2 busy cores have taken 320 s.
+TASK_TIMEOUT_S = float(os.environ.get("ZPP_TEST_TASK_TIMEOUT_S", "480"))
 
 
 class WorkerCrashed(AssertionError):
