@@ -20,6 +20,10 @@ from zpp_compile.inductor_regions import RegionCompile
 
 from .workers import reset_process_state
 
+# Given, not measured: the scheduling passes place collectives by the rates, so rates measured
+# afresh for each cache folder can cut a graph into a different number of regions.
+RATES = dict(intra_node_gbps=10.0, inter_node_gbps=10.0, compute_tflops=0.1)
+
 
 def _region(digest: str, scale: float) -> RegionCompile:
     x = torch.randn(8)
@@ -83,7 +87,7 @@ def _first_step(cache: str, share: bool) -> dict:
     try:
         with temporary_cache_dir(cache.format(rank=rank)):
             torch.manual_seed(0)
-            config = zpp_compile.Config(inductor_regions=True, share_compiles=share)
+            config = zpp_compile.Config(inductor_regions=True, share_compiles=share, **RATES)
             model = zpp_compile.shard(build("hf_gpt2"), config)
             x, _ = batch("hf_gpt2", 2 * world, 0)
             x = x.chunk(world)[rank].clone()  # a view would have a rank's own storage offset
@@ -101,9 +105,7 @@ def test_ranks_sharing_a_cache_compile_each_region_once_between_them(pools, tmp_
     shared = pools(2).run(_first_step, os.path.join(tmp_path, "shared"), True)
     regions = alone[0]["misses"]
     assert regions > 4 and all(r["misses"] == r["compiled"] == regions for r in alone), alone
-    # Each region misses at most once between them (unshared: 2 x regions). One fewer was seen once
-    # in CI (19 of 20), cause not found: a hit more, never a compile more.
-    assert regions - 2 <= sum(r["misses"] for r in shared) <= regions, shared
+    assert sum(r["misses"] for r in shared) == regions, shared  # once between them (unshared: 2 x regions)
     assert all(r["compiled"] + r["from_peers"] == regions for r in shared), shared
     assert all(r["peer_misses"] == 0 for r in shared), shared
     assert [r["loss"] for r in shared] == [r["loss"] for r in alone]
