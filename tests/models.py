@@ -136,6 +136,21 @@ class RandomOpsMLP(nn.Module):
         return self.fc2(h) + torch.randint(0, 3, (1,)).float()
 
 
+class ConvNet(nn.Module):
+    """Convolutions: Inductor's layout optimization (channels-last on CPU with mkldnn) makes the
+    compiled forward save activations in strides other than those AOTAutograd traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv2(F.relu(self.conv1(x))))
+        return self.head(h.mean(dim=(2, 3)))
+
+
 def hf_gpt2(dropout: float = 0.0) -> nn.Module:
     """A tiny Hugging Face GPT-2 from a config (nothing downloaded); GPT-2's default dropout is 0.1."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -194,6 +209,7 @@ TOKEN_MODELS = ("gpt", "break_gpt", *HF_MODELS, "hf_gpt2_dropout")
 def build(name: str) -> nn.Module:
     models = {
         "mlp": OddMLP,
+        "conv": ConvNet,
         "short_mlp": ShortMLP,
         "broken_mlp": BrokenMLP,
         "ckpt_mlp": CheckpointedMLP,
@@ -215,6 +231,8 @@ def batch(name: str, global_batch: int, step: int) -> tuple[torch.Tensor, torch.
     if name in TOKEN_MODELS:
         tokens = torch.randint(0, TINY_GPT.vocab_size, (global_batch, TINY_GPT.block_size + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
+    if name == "conv":
+        return torch.randn(global_batch, 3, 8, 8, generator=g), torch.randn(global_batch, 7, generator=g)
     return torch.randn(global_batch, 13, generator=g), torch.randn(global_batch, 7, generator=g)  # the MLPs
 
 

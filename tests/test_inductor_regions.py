@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch._inductor.compile_fx import compile_fx_inner
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -142,9 +143,9 @@ def _train_steps(model_name: str, steps: int, regions: bool, config: dict) -> di
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         for step in range(steps):
-            x, _ = batch(model_name, 2 * world, step)
+            x, y = batch(model_name, 2 * world, step)
             opt.zero_grad()
-            loss = loss_of(model_name, compiled, x.chunk(world)[rank], None)
+            loss = loss_of(model_name, compiled, x.chunk(world)[rank], y.chunk(world)[rank])
             loss.backward()
             losses.append(loss.item())
             if step < steps - 1:
@@ -157,13 +158,18 @@ def _train_steps(model_name: str, steps: int, regions: bool, config: dict) -> di
         reset_process_state()
 
 
-def test_regions_train_as_the_whole_graph_does_on_a_model_we_did_not_write(pools):
-    """HF GPT-2 with dropout (2 blocks), full ZeRO++ on 2 simulated nodes: compiled by region, the
-    losses and gradients are those of the whole-graph compile; the recorded graph is the rewritten
-    one, not the region-cut copy."""
-    config = {"ranks_per_node": 1, "quantize_weights": True, "quantize_gradients": True}
-    by_region = pools(2).run(_train_steps, "hf_gpt2_dropout", 2, True, config)
-    whole = pools(2).run(_train_steps, "hf_gpt2_dropout", 2, False, config)
+@pytest.mark.parametrize(
+    "model_name, config",
+    [("hf_gpt2_dropout", {"ranks_per_node": 1, "quantize_weights": True, "quantize_gradients": True}), ("conv", {})],
+    ids=["hf_gpt2_full_zeropp", "conv_zero3"],
+)
+def test_regions_train_as_the_whole_graph_does_on_a_model_we_did_not_write(pools, model_name, config):
+    """HF GPT-2 with dropout (2 blocks), full ZeRO++ on 2 simulated nodes; convolutions, which
+    Inductor lays out channels-last when it compiles them whole (regions must not: each region
+    takes its inputs in the traced strides). Compiled by region, the losses and gradients are those
+    of the whole-graph compile; the recorded graph is the rewritten one, not the region-cut copy."""
+    by_region = pools(2).run(_train_steps, model_name, 2, True, config)
+    whole = pools(2).run(_train_steps, model_name, 2, False, config)
     for got, want in zip(by_region, whole):
         torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6)
         for name, grad in want["grads"].items():

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch._inductor import config as inductor_config
 from torch.fx.graph import _BoxedCodeGen
 
 log = logging.getLogger(__name__)
@@ -172,8 +173,14 @@ class RegionCompile:
 
     def compile(self) -> None:
         # A context of its own: Inductor reports each graph's output strides to the tracing
-        # context, which AOTAutograd's expects once per forward, not once per region.
-        with tracing(TracingContext(detect_fake_mode(self.fake_inputs))):
+        # context, which AOTAutograd's expects once per forward, not once per region. So regions
+        # hand each other tensors in the strides they were traced with: Inductor's layout
+        # optimization (channels-last around convolutions) would give a region's outputs others,
+        # which AOTAutograd corrects between whole graphs, not between regions.
+        with (
+            tracing(TracingContext(detect_fake_mode(self.fake_inputs))),
+            inductor_config.patch(layout_optimization=False),
+        ):
             self.compiled = self.compile_region(self.graph, self.fake_inputs)
 
 
