@@ -151,6 +151,19 @@ class ConvNet(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
+class BatchNormNet(ConvNet):
+    """ConvNet with BatchNorm: a forward that updates buffers (running statistics) from the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.BatchNorm2d(8)
+        self.norm2 = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.norm2(self.conv2(F.relu(self.norm1(self.conv1(x))))))
+        return self.head(h.mean(dim=(2, 3)))
+
+
 def hf_gpt2(dropout: float = 0.0) -> nn.Module:
     """A tiny Hugging Face GPT-2 from a config (nothing downloaded); GPT-2's default dropout is 0.1."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -210,6 +223,7 @@ def build(name: str) -> nn.Module:
     models = {
         "mlp": OddMLP,
         "conv": ConvNet,
+        "batchnorm": BatchNormNet,
         "short_mlp": ShortMLP,
         "broken_mlp": BrokenMLP,
         "ckpt_mlp": CheckpointedMLP,
@@ -231,7 +245,7 @@ def batch(name: str, global_batch: int, step: int) -> tuple[torch.Tensor, torch.
     if name in TOKEN_MODELS:
         tokens = torch.randint(0, TINY_GPT.vocab_size, (global_batch, TINY_GPT.block_size + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
-    if name == "conv":
+    if name in ("conv", "batchnorm"):
         return torch.randn(global_batch, 3, 8, 8, generator=g), torch.randn(global_batch, 7, generator=g)
     return torch.randn(global_batch, 13, generator=g), torch.randn(global_batch, 7, generator=g)  # the MLPs
 

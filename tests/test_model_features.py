@@ -176,3 +176,47 @@ def test_hugging_face_gradient_checkpointing_gives_the_same_gradients(pools, mod
     for errors in pools(2).run(checkpointing_vs_not, mode):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= RTOL * 10, f"{worst}: {errors[worst]:.2e}"
+
+
+def _batchnorm_against_ddp(steps: int) -> dict:
+    """BatchNormNet sharded and compiled, and DDP on a copy, trained alike on this rank's batches:
+    the losses, and each one's buffers before and after zpp_compile.broadcast_buffers()."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        torch.manual_seed(SEED)
+        model = build("batchnorm")
+        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+        with pytest.warns(UserWarning, match=r"2 normalization layers \(norm1, ...\).*broadcast_buffers"):
+            zpp_compile.shard(model, zpp_compile.Config())
+        compiled = torch.compile(model, backend="zeropp")
+        losses = {"zeropp": [], "ddp": []}
+        for run, name in ((compiled, "zeropp"), (ddp, "ddp")):
+            opt = torch.optim.SGD(run.parameters(), lr=0.1)
+            for step in range(steps):
+                x, y = batch("batchnorm", 2 * world, step)
+                loss = loss_of("batchnorm", run, x.chunk(world)[rank], y.chunk(world)[rank])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses[name].append(loss.item())
+        before = {n: b.clone() for n, b in model.named_buffers()}
+        zpp_compile.broadcast_buffers(model)
+        after = dict(model.named_buffers())
+        return {"losses": losses, "before": before, "after": after, "ddp": dict(ddp.module.named_buffers())}
+    finally:
+        reset_process_state()
+
+
+def test_running_statistics_differ_per_rank_until_broadcast_buffers_gives_every_rank_rank0s(pools):
+    """BatchNorm under zeropp trains as under DDP (same losses), and rank 0's running statistics are
+    DDP's; each other rank keeps its own (DDP broadcasts rank 0's before every forward) until
+    broadcast_buffers(), after which every rank holds rank 0's, bitwise."""
+    results = pools(2).run(_batchnorm_against_ddp, 2)
+    for result in results:
+        torch.testing.assert_close(result["losses"]["zeropp"], result["losses"]["ddp"], rtol=1e-5, atol=1e-6)
+    rank0, rank1 = results
+    assert not torch.equal(rank0["before"]["norm1.running_mean"], rank1["before"]["norm1.running_mean"])
+    for name, buffer in rank0["before"].items():
+        torch.testing.assert_close(buffer, rank0["ddp"][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(rank1["after"][name], buffer), name
+        assert torch.equal(rank0["after"][name], buffer), name

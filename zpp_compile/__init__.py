@@ -42,7 +42,7 @@ from .layout import ShardingError, is_sharded
 from .plan import CommPlan, peak_collective_bytes
 from .process_state import reset
 from .schedule_check import ScheduleMismatchError
-from .sharding import full_state_dict, shard
+from .sharding import broadcast_buffers, full_state_dict, shard
 from .topology import DistributedNotInitializedError, Topology
 from .weights import load_full_state_dict, load_safetensors
 
@@ -63,6 +63,7 @@ __all__ = [
     "ScheduleMismatchError",
     "ShardingError",
     "Topology",
+    "broadcast_buffers",
     "comm_counter",
     "clear_error_feedback",
     "clear_gradient_buffers",

@@ -52,7 +52,15 @@ from .layout import (
 from .process_state import register_reset
 from .topology import Topology, build_topology, require_initialized, set_current_topology
 
-__all__ = ["ShardingError", "full_state_dict", "gather_full", "is_sharded", "shard", "sharded_state"]
+__all__ = [
+    "ShardingError",
+    "broadcast_buffers",
+    "full_state_dict",
+    "gather_full",
+    "is_sharded",
+    "shard",
+    "sharded_state",
+]
 
 _PLAN_IDS = itertools.count()
 
@@ -110,6 +118,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
         if names or module is model:  # the root counts its forward even without parameters of its own
             _route_reads_through_gather(module, names)
     _warn_on_block_padding(state)
+    _warn_on_running_statistics(model)
     model.register_forward_pre_hook(_refuse_unsharded_parameters)
     if config.param_dtype is not None:
         model.register_forward_pre_hook(_inputs_caster(config.param_dtype), with_kwargs=True)
@@ -409,6 +418,35 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
     for tensor in _unique_tensors(model):
         if not tensor.is_meta:
             dist.broadcast(tensor.data, src=0)
+
+
+@torch.no_grad()
+def broadcast_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm's running statistics), as DDP does before each
+    forward (`broadcast_buffers=True`). A forward that updates buffers updates each rank's own from
+    its own batch (as under FSDP2), so ranks disagree on them; call this, on every rank, before
+    evaluating on every rank. full_state_dict() and checkpoints take rank 0's already."""
+    state = sharded_state(model)
+    buffers = {id(b): b for b in model.buffers()}.values()
+    with explained_collective_failures(
+        "broadcast_buffers (collective: call it on every rank)", state.topology.collective_timeout_s
+    ):
+        for buffer in buffers:
+            dist.broadcast(buffer, src=0)
+
+
+def _warn_on_running_statistics(model: nn.Module) -> None:
+    """Ranks train alike but keep running statistics of their own batches: say so, and the fix."""
+    norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+             and m.track_running_stats]  # fmt: skip
+    if norms:
+        warnings.warn(
+            f"zpp_compile: {len(norms)} normalization layers ({norms[0]}, ...) keep running statistics: each "
+            "rank updates its own from its own batch (as under FSDP2; DDP broadcasts rank 0's before every "
+            "forward), so ranks disagree on them. Training is unaffected; before evaluating on every rank, "
+            "call zpp_compile.broadcast_buffers(model) (checkpoints keep rank 0's).",
+            stacklevel=3,
+        )
 
 
 def _unique_tensors(model: nn.Module) -> Iterator[Tensor]:
