@@ -202,9 +202,21 @@ def _batchnorm_against_ddp(steps: int) -> dict:
         before = {n: b.clone() for n, b in model.named_buffers()}
         zpp_compile.broadcast_buffers(model)
         after = dict(model.named_buffers())
-        return {"losses": losses, "before": before, "after": after, "ddp": dict(ddp.module.named_buffers())}
+        return {
+            "losses": losses, "before": before, "after": after, "ddp": dict(ddp.module.named_buffers()),
+            "payloads": _frozen_payloads_around_broadcast_buffers(),
+        }  # fmt: skip
     finally:
         reset_process_state()
+
+
+def _frozen_payloads_around_broadcast_buffers() -> tuple[dict, dict]:
+    """The uneven MLP's frozen layer quantized at shard() (its int8 shard is a buffer of each
+    rank's own): its buffers before and after broadcast_buffers()."""
+    model = zpp_compile.shard(build("mlp"), zpp_compile.Config(quantize_frozen_weights=True))
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    zpp_compile.broadcast_buffers(model)
+    return before, dict(model.named_buffers())
 
 
 def test_running_statistics_differ_per_rank_until_broadcast_buffers_gives_every_rank_rank0s(pools):
@@ -220,3 +232,8 @@ def test_running_statistics_differ_per_rank_until_broadcast_buffers_gives_every_
         torch.testing.assert_close(buffer, rank0["ddp"][name], rtol=1e-5, atol=1e-6, msg=name)
         assert torch.equal(rank1["after"][name], buffer), name
         assert torch.equal(rank0["after"][name], buffer), name
+    # A frozen weight's int8 shard is each rank's own: broadcast_buffers() leaves it.
+    payloads = [name for name in rank0["payloads"][0] if name.startswith("frozen.")]
+    assert payloads and any(not torch.equal(rank0["payloads"][0][n], rank1["payloads"][0][n]) for n in payloads)
+    for before, after in (rank0["payloads"], rank1["payloads"]):
+        assert all(torch.equal(after[name], before[name]) for name in before), payloads

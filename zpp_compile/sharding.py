@@ -425,9 +425,10 @@ def broadcast_buffers(model: nn.Module) -> None:
     """Give every rank rank 0's buffers (BatchNorm's running statistics), as DDP does before each
     forward (`broadcast_buffers=True`). A forward that updates buffers updates each rank's own from
     its own batch (as under FSDP2), so ranks disagree on them; call this, on every rank, before
-    evaluating on every rank. full_state_dict() and checkpoints take rank 0's already."""
+    evaluating on every rank. full_state_dict() and checkpoints take rank 0's already. The int8
+    payloads of frozen weights (Config.quantize_frozen_weights) are shards, each rank's own: kept."""
     state = sharded_state(model)
-    buffers = {id(b): b for b in model.buffers()}.values()
+    buffers = {id(b): b for n, b in model.named_buffers() if not n.endswith(PAYLOAD_SUFFIX)}.values()
     with explained_collective_failures(
         "broadcast_buffers (collective: call it on every rank)", state.topology.collective_timeout_s
     ):
