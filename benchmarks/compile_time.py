@@ -1,8 +1,12 @@
 """Compile time of the first training step: zeropp against torch.compile(DDP(model)), cold and warm.
 
     python benchmarks/compile_time.py [--nproc 4] [--ranks-per-node 2] [--layers 12,24]
-        [--configs ddp,zero3,zeropp_full] [--starts cold,warm,mega] [--width 768]
+        [--configs ddp,ddp_named_loss,zero3,zeropp_full] [--starts cold,warm,mega] [--width 768]
 
+"ddp" is torch.compile(DistributedDataParallel(model)) as a new user writes it: GPT-2's loss logs
+a warning under torch.compile, a graph break that makes Dynamo trace the model four times.
+"ddp_named_loss" sets the model's loss_type first, as shard() does for zeropp (see
+zpp_compile/hugging_face.py): DDP without that break, the comparison of compile machinery alone.
 A zeropp config name with "_whole" appended (zero3_whole, zeropp_full_whole) keeps the biases and
 norms whole on every rank (Config.keep_whole_numel=KEEP_WHOLE_NUMEL): graphs with a third of the
 gathers.
@@ -38,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import benchmark_parser, publish, run_workers, tracked  # noqa: E402
 
-CONFIGS = ("ddp", "zero3", "zeropp_full")
+CONFIGS = ("ddp", "ddp_named_loss", "zero3", "zeropp_full")
 KEEP_WHOLE_NUMEL = 10_000  # GPT-2's 1-d parameters (<= 4 x n_embd elements); its smallest matrix is n_embd^2
 STARTS = ("cold", "warm", "mega")
 SEQ, BATCH, VOCAB = 128, 2, 50257
@@ -62,8 +66,11 @@ def _model(layers: int, width: int):
 def _build(name: str, layers: int, width: int, ranks_per_node: int):
     import torch
 
-    if name == "ddp":
-        return torch.compile(torch.nn.parallel.DistributedDataParallel(_model(layers, width))), None
+    if name.startswith("ddp"):
+        model = _model(layers, width)
+        if name == "ddp_named_loss":  # what shard() does for zeropp (zpp_compile/hugging_face.py)
+            model.loss_type = "ForCausalLM"
+        return torch.compile(torch.nn.parallel.DistributedDataParallel(model)), None
     import zpp_compile
 
     full = name.removesuffix("_whole") == "zeropp_full"
