@@ -5,8 +5,9 @@
 
 "ddp" is torch.compile(DistributedDataParallel(model)) as a new user writes it: GPT-2's loss logs
 a warning under torch.compile, a graph break that makes Dynamo trace the model four times.
-"ddp_named_loss" sets the model's loss_type first, as shard() does for zeropp (see
-zpp_compile/hugging_face.py): DDP without that break, the comparison of compile machinery alone.
+"ddp_named_loss" sets the model's loss_type first, which a DDP user can do to avoid that break
+(shard() avoids it for zeropp, zpp_compile/hugging_face.py): the comparison of compile machinery
+alone.
 A zeropp config name with "_whole" appended (zero3_whole, zeropp_full_whole) keeps the biases and
 norms whole on every rank (Config.keep_whole_numel=KEEP_WHOLE_NUMEL): graphs with a third of the
 gathers.
@@ -68,7 +69,7 @@ def _build(name: str, layers: int, width: int, ranks_per_node: int):
 
     if name.startswith("ddp"):
         model = _model(layers, width)
-        if name == "ddp_named_loss":  # what shard() does for zeropp (zpp_compile/hugging_face.py)
+        if name == "ddp_named_loss":  # no logging graph break in the loss (zpp_compile/hugging_face.py)
             model.loss_type = "ForCausalLM"
         return torch.compile(torch.nn.parallel.DistributedDataParallel(model)), None
     import zpp_compile

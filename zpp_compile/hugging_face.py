@@ -2,35 +2,54 @@
 
 transformers' `PreTrainedModel.loss_function` property looks the model's `loss_type` up in its
 LOSS_MAPPING. A model whose class name names no loss there (`GPT2LMHeadModel`, ...) has
-`loss_type = None`, and the property then logs a warning and falls back to "ForCausalLM" on every
-call. Under torch.compile that logging call is a graph break at the end of the forward, inside
-the loss, below three frames (the output wrapper, the deprecation wrapper, the model's forward):
-Dynamo traces the whole model once per frame only to give that frame up, then a fourth time to
-compile it. For a sharded model each trace costs more than for a plain one (every parameter read
-is traced, see sharding.py), so this cost grows with the model.
+`loss_type = None`, and the property then calls `logger.warning_once` and falls back to
+ForCausalLM, on every call. Under torch.compile that logging call is a graph break at the end of
+the forward, inside the loss, below three frames (the output wrapper, the deprecation wrapper, the
+model's forward): Dynamo traces the whole model once per frame only to give that frame up, then a
+fourth time to compile it. Each trace of a sharded model traces every parameter read
+(sharding.py), so this costs zeropp more than it costs DDP.
 
-shard() names the fallback itself: `loss_type = "ForCausalLM"` where it is None. The property then
-returns the loss it would have fallen back to, without the logging call: the same loss, no break.
-A loss_type the user set, even an unknown one, is left alone (transformers' warning about it is
-the user's to see).
+shard() gives such a model a `_loss_function` of its own, which the property returns before it
+looks at `loss_type` (transformers' own override point: the `loss_function` setter writes it). It
+is a FallbackLoss: the loss LOSS_MAPPING has for the model's loss_type when it has one, else the
+ForCausalLM loss, as the property chooses, without the logging call. `loss_type` itself stays None:
+transformers' Trainer reads it (a ForCausalLM loss_type makes it count label tokens differently,
+which would scale the loss), so it must read what it reads for the unsharded model.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
 log = logging.getLogger(__name__)
 
-FALLBACK_LOSS_TYPE = "ForCausalLM"  # what PreTrainedModel.loss_function falls back to for None
+FALLBACK_LOSS_TYPE = "ForCausalLM"  # what PreTrainedModel.loss_function falls back to
 
 
-def name_fallback_loss_types(model: nn.Module) -> list[str]:
-    """Set loss_type to transformers' fallback on each module of `model` that would fall back
-    (see above); returns their names ("" for the root). Nothing where transformers is not loaded."""
+class FallbackLoss:
+    """A model's loss as transformers' `loss_function` property picks it, without its warning.
+
+    An object, not a closure: a model holding it still pickles and deep-copies (the copy's
+    FallbackLoss reads the copy's loss_type)."""
+
+    def __init__(self, model: nn.Module, mapping: dict[str, Callable[..., Any]]) -> None:
+        self.model = model
+        self.mapping = mapping
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        loss = self.mapping.get(self.model.loss_type) or self.mapping[FALLBACK_LOSS_TYPE]
+        return loss(*args, **kwargs)
+
+
+def pin_fallback_losses(model: nn.Module) -> list[str]:
+    """Give each outermost transformers model in `model` whose loss_function would fall back (see
+    above) a FallbackLoss; returns their names ("" for the root). Nothing where transformers is not
+    loaded, or its LOSS_MAPPING has no ForCausalLM."""
     modeling_utils = sys.modules.get("transformers.modeling_utils")
     if modeling_utils is None:  # no transformers model can exist
         return []
@@ -38,17 +57,18 @@ def name_fallback_loss_types(model: nn.Module) -> list[str]:
     mapping = getattr(sys.modules.get("transformers.loss.loss_utils"), "LOSS_MAPPING", {})
     if FALLBACK_LOSS_TYPE not in mapping:  # a transformers whose fallback this is not: leave it be
         return []
-    named = [name for name, module in _outermost(model, base) if _falls_back(module, base)]
-    for name in named:
-        model.get_submodule(name).loss_type = FALLBACK_LOSS_TYPE
-    if named:
+    pinned = [name for name, module in _outermost(model, base) if _falls_back(module, base)]
+    for name in pinned:
+        module = model.get_submodule(name)
+        module._loss_function = FallbackLoss(module, mapping)
+    if pinned:
         log.info(
-            "zpp_compile: %s: loss_type=None set to %r, the loss transformers falls back to (its fallback "
-            "logs a warning, a graph break under torch.compile)",
-            ", ".join(n or type(model).__name__ for n in named),
+            "zpp_compile: %s: loss_type=None; its loss_function is pinned to the loss transformers falls "
+            "back to (%s), whose warning is a graph break under torch.compile",
+            ", ".join(n or type(model).__name__ for n in pinned),
             FALLBACK_LOSS_TYPE,
         )
-    return named
+    return pinned
 
 
 def _outermost(module: nn.Module, base: type, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -62,6 +82,9 @@ def _outermost(module: nn.Module, base: type, prefix: str = "") -> Iterator[tupl
 
 
 def _falls_back(module: nn.Module, base: type) -> bool:
-    """loss_type None under transformers' own loss_function property (not one the class overrides)."""
+    """transformers' own loss_function property (not one the class overrides), no loss function set
+    (the property returns that without warning), and a loss_type None."""
     own_property = getattr(type(module), "loss_function", None) is base.loss_function
-    return own_property and getattr(module, "loss_type", FALLBACK_LOSS_TYPE) is None
+    settable = inspect.getattr_static(type(module), "_loss_function", None) is None
+    unset = "_loss_function" not in module.__dict__
+    return own_property and settable and unset and getattr(module, "loss_type", FALLBACK_LOSS_TYPE) is None

@@ -37,7 +37,7 @@ from .config import Config
 from .cost_model import build_cost_model
 from .faults import explained_collective_failures
 from .grad_sync import grad_sync_kwargs
-from .hugging_face import name_fallback_loss_types
+from .hugging_face import pin_fallback_losses
 from .layout import (
     PAYLOAD_SUFFIX,
     ShardedState,
@@ -128,7 +128,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     _refuse_data_parallel_wrapping(model)
     _gather_on_save_pretrained(model)
     _tell_hugging_face_trainer(model)
-    name_fallback_loss_types(model)
+    pin_fallback_losses(model)
     dtensor_ops.install()
     from .checkpoint.state_dict import install_state_dict_hooks  # noqa: PLC0415  (checkpoint imports layout)
 
