@@ -91,3 +91,58 @@ def test_what_cannot_be_read_back_the_same_is_not_kept(trace_folder):
     assert not trace_folder.exists()
     _inline(2.0)
     assert len(os.listdir(trace_folder)) == 1
+
+
+def _views_and_new_tensors(x: torch.Tensor) -> tuple:
+    flat = x.reshape(-1)  # a view of the input
+    doubled = (flat * 2).view(4, -1)  # a view of a new tensor
+    top, where = torch.max(doubled, dim=1)  # an op with two outputs
+    return flat[2:], doubled.t(), top, where.float()
+
+
+def _copied_values(inputs: list, fake_mode, copy_values) -> tuple[list, list]:
+    """The fake values a copy of _views_and_new_tensors' trace (on inputs[0]) gets on inputs[1]
+    from copy_values, input first, and the trace's own values."""
+    traced = graph_utils._trace(_views_and_new_tensors, inputs[:1], fake_mode, None).graph
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = inputs[1]
+    copied = {next(iter(traced.nodes)): x}
+    graph.graph_copy(traced, copied)
+    copy_values(list(traced.nodes), copied, fake_mode)
+    computed = [n for n in traced.nodes if n.op == "call_function"]
+    return [x.meta["val"]] + [copied[n].meta["val"] for n in computed], [n.meta["val"] for n in computed]
+
+
+def _tensors(values: list) -> list:
+    return [t for v in values for t in (v if isinstance(v, (list, tuple)) else [v])]
+
+
+def _storage_classes(tensors: list) -> list[int]:
+    """For each tensor, the index of the first tensor that shares its storage."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    keys = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+    return [keys.index(k) for k in keys]
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad
+
+
+def test_a_reused_trace_gets_new_values_related_as_running_its_ops_relates_them():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    def run_ops(traced, copied, fake_mode):
+        trace_cache.run_on_fake_values([copied[n] for n in traced if n.op == "call_function"], fake_mode)
+
+    with FakeTensorMode() as fake_mode:
+        inputs = [torch.empty(4, 6), torch.empty(4, 6)]
+    expected, _ = _copied_values(inputs, fake_mode, run_ops)
+    copied, traced = _copied_values(inputs, fake_mode, trace_cache.copy_fake_values)
+    expected, copied, traced = _tensors(expected), _tensors(copied), _tensors(traced)
+    assert [_geometry(t) for t in copied] == [_geometry(t) for t in expected]
+    assert _storage_classes(copied) == _storage_classes(expected)
+    assert _storage_classes(expected) != list(range(len(expected))), "the trace relates no two values"
+    assert {id(t) for t in copied}.isdisjoint(id(t) for t in traced), "the trace's values were shared, not made"
+    assert all(isinstance(t, FakeTensor) and t.fake_mode is fake_mode for t in copied)

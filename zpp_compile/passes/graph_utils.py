@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map_only
 
-from .trace_cache import cached_trace, run_on_fake_values
+from .trace_cache import cached_trace, copy_fake_values
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -258,7 +258,7 @@ def inline_traced(graph: fx.Graph, fn: Callable, node_args: list[fx.Node], decom
     copied: dict[fx.Node, fx.Node] = dict(zip(placeholders, node_args))
     out = graph.graph_copy(traced, copied)
     if reused:
-        run_on_fake_values([copied[n] for n in traced.nodes if n.op == "call_function"], fake_mode)
+        copy_fake_values(list(traced.nodes), copied, fake_mode)
     return out
 
 

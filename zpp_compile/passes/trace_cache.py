@@ -28,7 +28,9 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..cache_folders import cache_folder, code_version
 
@@ -146,6 +148,54 @@ def run_on_fake_values(nodes: list[fx.Node], fake_mode: Any) -> None:
         for node in nodes:
             args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
             node.meta["val"] = node.target(*args, **kwargs)
+
+
+def copy_fake_values(traced: list[fx.Node], copies: dict[fx.Node, fx.Node], fake_mode: Any) -> None:
+    """Fake values for a copy of a traced graph: each copied node gets a new tensor of its traced
+    node's geometry, and the copies' tensors share storage where the traced ones did (with the
+    copy's inputs where the trace's outputs viewed its inputs), as running the ops would relate
+    them. Each op ran once on fake values in the trace; running it again per copy (as
+    run_on_fake_values does) cost a millisecond an op, most of the quantizing passes' time.
+    Symbolic shapes, or a value of another kind, fall back to running the ops."""
+    storages: dict[Any, Any] = {}
+    for node in traced:
+        if node.op == "placeholder":
+            storages[StorageWeakRef(node.meta["val"].untyped_storage())] = copies[node].meta["val"].untyped_storage()
+    computed = [n for n in traced if n.op == "call_function"]
+    try:
+        with unset_fake_temporarily():  # meta tensors made under the fake mode would go through it: 30x slower
+            values = [_copy_value(node.meta["val"], storages, fake_mode) for node in computed]
+    except _NotCopied:
+        run_on_fake_values([copies[n] for n in computed], fake_mode)
+        return
+    for node, value in zip(computed, values):
+        copies[node].meta["val"] = value
+
+
+class _NotCopied(Exception):
+    """A traced value copy_fake_values cannot copy (symbolic, or not tensors)."""
+
+
+def _copy_value(value: Any, storages: dict[Any, Any], fake_mode: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_value(v, storages, fake_mode) for v in value)
+    if value is None or type(value) in (int, float, bool):
+        return value
+    if not isinstance(value, FakeTensor) or value.fake_mode is not fake_mode or _symbolic(value):
+        raise _NotCopied
+    key = StorageWeakRef(value.untyped_storage())
+    storage = storages.get(key)
+    if storage is None:
+        storage = torch.empty(value.untyped_storage().nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
+        storages[key] = storage
+    meta = torch.empty(0, dtype=value.dtype, device="meta")
+    meta.set_(storage, value.storage_offset(), value.shape, value.stride())
+    meta.requires_grad_(value.requires_grad)
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, value.device)
+
+
+def _symbolic(value: torch.Tensor) -> bool:
+    return any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride(), value.storage_offset()))
 
 
 # The encoding: a node is {"op", "name", "target", "args", "kwargs"}; a value is JSON's own for
