@@ -76,8 +76,9 @@ def _path_of(key: tuple, fake_args: list) -> Optional[str]:
     folder = cache_folder(TRACE_FOLDER)
     func, args, keywords, inputs, decompositions = key
     text = repr((func.__module__, func.__qualname__, args, keywords, inputs, decompositions, code_version()))
-    symbolic = any(isinstance(d, torch.SymInt) for a in fake_args for d in (*a.shape, *a.stride()))
-    if folder is None or symbolic or " at 0x" in text:  # an object's address: never the same twice
+    if (
+        folder is None or any(map(_symbolic, fake_args)) or " at 0x" in text
+    ):  # an object's address: never the same twice
         return None
     return os.path.join(folder, hashlib.sha256(text.encode()).hexdigest() + ".json")
 
@@ -183,11 +184,11 @@ def _copy_value(value: Any, storages: dict[Any, Any], fake_mode: Any) -> Any:
         return value
     if not isinstance(value, FakeTensor) or value.fake_mode is not fake_mode or _symbolic(value):
         raise _NotCopied
-    key = StorageWeakRef(value.untyped_storage())
-    storage = storages.get(key)
-    if storage is None:
-        storage = torch.empty(value.untyped_storage().nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
-        storages[key] = storage
+    traced_storage = value.untyped_storage()
+    key = StorageWeakRef(traced_storage)
+    if key not in storages:
+        storages[key] = torch.empty(traced_storage.nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
+    storage = storages[key]
     meta = torch.empty(0, dtype=value.dtype, device="meta")
     meta.set_(storage, value.storage_offset(), value.shape, value.stride())
     meta.requires_grad_(value.requires_grad)
