@@ -3,7 +3,15 @@ import math
 import pytest
 import torch
 
-from zpp_compile.codegen.quantize import QMAX, dequantize_int8_blocks, quantize_int8_blocks
+from zpp_compile.codegen.quantize import (
+    QMAX,
+    dequantize_int8_blocks,
+    dequantize_packed,
+    float32_from_bytes,
+    quantize_int8_blocks,
+    quantize_packed,
+    unpack_payloads,
+)
 
 BLOCK = 64
 
@@ -63,3 +71,40 @@ def test_inductor_kernel_matches_eager():
     compiled = torch.compile(quantize_int8_blocks)
     (q, s), (qc, sc) = quantize_int8_blocks(x, BLOCK), compiled(x, BLOCK)
     assert torch.equal(q, qc) and torch.equal(s, sc)
+
+
+def _floats_with_special_values() -> torch.Tensor:
+    special = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, -1.0]
+    return torch.cat([torch.randn(246, generator=torch.Generator().manual_seed(0)) * 1e3, torch.tensor(special)])
+
+
+def test_scales_read_back_from_strided_bytes_are_the_same_bits():
+    values = _floats_with_special_values().view(4, 64)
+    rows = torch.zeros(4, 8 + 4 * 64 + 12, dtype=torch.int8)  # a gathered buffer: scales mid-row
+    rows[:, 8 : 8 + 4 * 64] = values.view(torch.int8)
+    for raw in (rows[:, 8 : 8 + 4 * 64], rows[:, 8 : 8 + 4 * 64].view(torch.uint8)):
+        assert torch.equal(float32_from_bytes(raw).view(torch.int32), values.view(torch.int32))
+        compiled = torch.compile(float32_from_bytes, fullgraph=True)(raw)
+        assert torch.equal(compiled.view(torch.int32), values.view(torch.int32))
+
+
+def test_inductor_dequantizes_from_a_bucket_without_copying_the_scales_out():
+    """Each parameter's payloads sit at their own offset in a bucket's gathered buffer. Bit-casting
+    their scale bytes to float32 made Inductor copy them out first: a copy kernel, and a C++ compile,
+    per parameter. Read back with integer arithmetic they fuse into the one dequantize kernel."""
+    group, numel = 4, 3 * BLOCK
+    shards = [torch.randn(numel) for _ in range(group)]
+    payloads = torch.stack([quantize_packed(s, BLOCK) for s in shards])  # [group, payload]
+    bucket = torch.cat([torch.zeros(group, 40, dtype=torch.int8), payloads], dim=1)  # another param first
+    expected = dequantize_packed(payloads.reshape(-1), group, numel, BLOCK, torch.float32)
+
+    def dequantize_from_bucket(bucket: torch.Tensor) -> torch.Tensor:
+        q, scale = unpack_payloads(bucket[:, 40:], group, numel, BLOCK)
+        return dequantize_int8_blocks(q, scale, torch.float32).reshape(-1)
+
+    torch._dynamo.reset()
+    torch._inductor.metrics.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        got = torch.compile(dequantize_from_bucket, fullgraph=True)(bucket)
+    assert torch.equal(got, expected)
+    assert torch._inductor.metrics.generated_kernel_count == 1

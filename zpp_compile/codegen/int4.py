@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .quantize import SCALE_BYTES, round_symmetric
+from .quantize import SCALE_BYTES, float32_from_bytes, round_symmetric
 
 QMAX = 7
 OFFSET = 8
@@ -53,7 +53,7 @@ def dequantize_int4_chunks(payloads: Tensor, chunk: int, block: int) -> Tensor:
     low = (packed & 0xF).to(torch.float32) - OFFSET
     high = (packed >> 4).to(torch.float32) - OFFSET
     q = torch.stack([low, high], dim=-1).reshape(*lead, chunk // block, block)
-    scale = scales.contiguous().view(torch.float32).reshape(*lead, chunk // block, 1)
+    scale = float32_from_bytes(scales).reshape(*lead, chunk // block, 1)
     return (q * scale).reshape(*lead, chunk)
 
 

@@ -5,9 +5,9 @@ Inductor turns it into fused C++/OpenMP kernels on CPU (the same code runs eager
 
 What one rank sends is one packed int8 payload, and one all-gather carries it:
     [ q: n_blocks * block int8 | scales: n_blocks float32, bit-cast to 4 * n_blocks int8 ]
-block is a multiple of 8, so every rank's scales start 4-byte aligned in the gathered buffer and
-can be read back with a bit-cast view, no copy. The Triton kernels (triton_quantize.py) write and
-read exactly this layout.
+block is a multiple of 8, so every rank's scales start 4-byte aligned in the gathered buffer.
+They are read back by float32_from_bytes, which Inductor fuses into the dequantize kernel. The
+Triton kernels (triton_quantize.py) write and read exactly this layout.
 
 Inductor 2.13 on CPU miscompiles "int8 * scale, reshape, slice each row, flatten" (values of
 1e18 came out, even without collectives); dequantize_packed therefore drops each rank's
@@ -22,12 +22,15 @@ Special values, by design:
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# Where each byte of a float32, least significant first, sits in memory (a bit-cast writes them).
+_BYTE_ORDER_LOW_FIRST = (0, 1, 2, 3) if sys.byteorder == "little" else (3, 2, 1, 0)
 QMAX = 127  # symmetric int8: [-127, 127], so -x quantizes to -q
 SCALE_BYTES = 4
 
@@ -85,8 +88,24 @@ def unpack_payloads(payloads: Tensor, group_size: int, shard_numel: int, block: 
     nb = num_blocks(shard_numel, block)
     rows = payloads.view(group_size, payload_numel(shard_numel, block))
     q = rows[:, : nb * block].view(group_size, nb, block)
-    scale = rows[:, nb * block :].contiguous().view(torch.float32)
-    return q, scale
+    return q, float32_from_bytes(rows[:, nb * block :])
+
+
+def float32_from_bytes(raw: Tensor) -> Tensor:
+    """[..., 4 * k] int8/uint8 bytes (float32s as a bit-cast wrote them, any strides) -> [..., k] float32.
+
+    The same bits as `raw.contiguous().view(torch.float32)`, but assembled with integer arithmetic
+    and a same-width bit-cast, which Inductor fuses into the kernel that reads the scales. A
+    bit-cast to a wider dtype is not fusable: Inductor makes the bytes contiguous first, one copy
+    kernel per parameter (its offset in the gathered buffer is baked in), each a C++ compile of
+    its own: 21 of the 98 kernels of a 6-layer GPT-2 under qwZ + hpZ + qgZ."""
+    low_first = _BYTE_ORDER_LOW_FIRST
+    b = raw.view(torch.uint8).unflatten(-1, (-1, SCALE_BYTES)).to(torch.int32)
+    top = raw.view(torch.int8).unflatten(-1, (-1, SCALE_BYTES))[..., low_first[3]].to(torch.int32)
+    # The top byte signed and multiplied, not shifted: the sum stays within int32 (no overflow,
+    # no shift into the sign bit) and is the float's bit pattern read as an int32.
+    bits = top * (1 << 24) + b[..., low_first[2]] * (1 << 16) + b[..., low_first[1]] * (1 << 8) + b[..., low_first[0]]
+    return bits.view(torch.float32)
 
 
 def quantize_packed(shard: Tensor, block: int) -> Tensor:
