@@ -367,6 +367,8 @@ def test_a_restarted_job_hits_the_caches_for_every_graph(tmp_path):
     assert len(warm_graphs) == len(cold_graphs), warm_graphs
     assert all(line.endswith("AOTAutograd cache hit") for line in warm_graphs), warm_graphs
     assert losses[0] and losses[0] == losses[1], losses  # the loaded graphs train as the compiled ones
-    # Cold: every phase compiles (misses), though its repeated regions may hit each other.
-    assert all(re.search(r"FX graph cache (\d+ hit, \d+ )?miss$", line) for line in cold), cold
+    # Cold: every phase looks its graphs up. Mostly they miss, but a rank may find what the other
+    # rank, which shares the cache folder, wrote a moment before (its repeated regions, too, may
+    # hit each other): a hit here is a race between the ranks, not a stale cache.
+    assert all(re.search(r"FX graph cache (hit|(\d+ hit, \d+ )?miss)$", line) for line in cold), cold
     assert all(line.endswith("FX graph cache hit") for line in warm), warm
