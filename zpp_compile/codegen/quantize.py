@@ -99,12 +99,13 @@ def float32_from_bytes(raw: Tensor) -> Tensor:
     bit-cast to a wider dtype is not fusable: Inductor makes the bytes contiguous first, one copy
     kernel per parameter (its offset in the gathered buffer is baked in), each a C++ compile of
     its own: 21 of the 98 kernels of a 6-layer GPT-2 under qwZ + hpZ + qgZ."""
-    low_first = _BYTE_ORDER_LOW_FIRST
-    b = raw.view(torch.uint8).unflatten(-1, (-1, SCALE_BYTES)).to(torch.int32)
-    top = raw.view(torch.int8).unflatten(-1, (-1, SCALE_BYTES))[..., low_first[3]].to(torch.int32)
+    low, mid_low, mid_high, high = _BYTE_ORDER_LOW_FIRST
+    per_float = raw.unflatten(-1, (-1, SCALE_BYTES))
+    b = per_float.view(torch.uint8).to(torch.int32)
+    top = per_float.view(torch.int8)[..., high].to(torch.int32)
     # The top byte signed and multiplied, not shifted: the sum stays within int32 (no overflow,
     # no shift into the sign bit) and is the float's bit pattern read as an int32.
-    bits = top * (1 << 24) + b[..., low_first[2]] * (1 << 16) + b[..., low_first[1]] * (1 << 8) + b[..., low_first[0]]
+    bits = top * (1 << 24) + b[..., mid_high] * (1 << 16) + b[..., mid_low] * (1 << 8) + b[..., low]
     return bits.view(torch.float32)
 
 
