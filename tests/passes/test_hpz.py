@@ -1,8 +1,12 @@
+import dataclasses
+
 import torch
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
 from zpp_compile.codegen.quantize import payload_numel
-from zpp_compile.passes import hpz
+from zpp_compile.passes import bucket_collectives, hpz, qwz, tag_parameter_inputs
+from zpp_compile.passes.graph_utils import COLLECTIVE_STARTS
+from zpp_compile.passes.tag_parameter_inputs import PARAM_INPUT
 from zpp_compile.topology import Topology
 
 from .helpers import context, targets, trace
@@ -62,3 +66,50 @@ def test_graphs_are_unchanged_without_hpz():
     ctx = context(Topology(4, 1, 2, "world"), phase="partitioned")
     fw, bw = hpz(fw, bw, ctx)
     assert (fw.code, bw.code) == code
+
+
+def _blocks_pair(blocks: int, group: str):
+    """A forward of `blocks` layers, each a gathered weight (re-gathered by the backward) and a
+    gathered bias, and that backward; the shards are inputs 1, 2, 3, ... of both. Gathers over 4
+    ranks of `group` (bucketing looks the group up; nothing here runs)."""
+
+    def forward(x, *shards):
+        for weight, bias in zip(shards[::2], shards[1::2]):
+            w = torch.ops.zpp.gather_param(weight, 64 * 64, [64, 64], 1024, 4, group)
+            x = torch.tanh(x @ w.t() + torch.ops.zpp.gather_param(bias, 64, [64], 16, 4, group))
+        return x, *shards[::2]
+
+    def backward(tangent, *weights):
+        return [tangent @ torch.ops.zpp.gather_param(w, 64 * 64, [64, 64], 1024, 4, group) for w in weights]
+
+    shards = [torch.randn(n) for _ in range(blocks) for n in (1024, 16)]
+    return trace(forward, torch.randn(8, 64), *shards), trace(backward, torch.randn(8, 64), *shards[::2])
+
+
+def test_with_qwz_the_inlined_forward_gather_keeps_the_parameter_it_serves():
+    """The int8 path replaces the marker by an inlined gather: it carries the marker's tag, which
+    bucketing needs to keep blocks apart."""
+    fw, bw = _partitioned_pair()
+    (marker,) = [n for n in fw.graph.nodes if n.target == torch.ops.zpp.gather_param.default]
+    marker.meta["custom"] = {PARAM_INPUT: 0}
+    fw, _ = hpz(fw, bw, context(TOPOLOGY, phase="partitioned", hpz_size=2, quantize_weights=True))
+    (gather,) = [n for n in fw.graph.nodes if n.target == c10d.all_gather_into_tensor.default]
+    assert gather.meta["custom"] == {PARAM_INPUT: 0}
+
+
+def test_with_qwz_each_blocks_forward_gathers_travel_as_one_bucket(group_of_one):
+    """Four blocks of a weight (its int8 secondary kept for backward, so hpz inlines its gather) and
+    a bias (gathered by qwz): one all-gather per block, as under ZeRO-3. Untagged, the weights'
+    gathers fell out of their blocks' buckets: 8 collectives, and regions that differed by block."""
+    names = tuple(f"h.{i}.{kind}" for i in range(4) for kind in ("weight", "bias"))
+    topology = dataclasses.replace(TOPOLOGY, world_group_name=group_of_one, hpz_group_name=group_of_one)
+    ctx = dataclasses.replace(
+        context(topology, phase="partitioned", hpz_size=2, quantize_weights=True, inductor_regions=True),
+        parameter_names=names,
+        parameter_positions=tuple(range(1, 9)),
+    )
+    fw, bw = _blocks_pair(4, group_of_one)
+    fw, _ = hpz(tag_parameter_inputs(fw, ctx), bw, ctx)
+    fw = bucket_collectives(qwz(fw, ctx), ctx)
+    gathers = [n for n in fw.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_STARTS]
+    assert len(gathers) == 4, [n.args[0].meta["val"].shape for n in gathers]

@@ -220,17 +220,17 @@ def rewrite_calls(
         before = node.prev
         with gm.graph.inserting_before(node):
             replacement = rewrite(gm.graph, node)
-        _tag_collectives(before, node)
+        tag_collectives(before, node, node.meta.get("custom"))
         replace_node(node, replacement)
     return finish(gm)
 
 
-def _tag_collectives(start: fx.Node, marker: fx.Node) -> None:
-    """The collectives a rewrite inserted between `start` and `marker` carry the marker's
-    meta["custom"] (which parameter they serve: bucketing keeps blocks apart by it)."""
-    custom = marker.meta.get("custom")
+def tag_collectives(start: fx.Node, stop: fx.Node, custom: dict | None) -> None:
+    """The collectives a rewrite inserted strictly between `start` and `stop` carry `custom`, the
+    meta["custom"] of the marker they replace: which parameter they serve. Bucketing keeps blocks
+    apart by it, so an untagged gather is a bucket of its own (tests/passes/test_hpz.py)."""
     node = start.next
-    while custom and node is not marker:
+    while custom and node is not stop:
         if is_call(node, *COLLECTIVE_STARTS):
             node.meta.setdefault("custom", {}).update(custom)
         node = node.next
