@@ -191,6 +191,30 @@ def test_hpz_two_nodes_of_four_gives_bitwise_equal_gradients(pools, hpz_size):
         _check(result, hpz_size)
 
 
+def forward_gathers_per_config() -> dict[str, int]:
+    """All-gathers in the compiled forward of the GPT cut by block, under ZeRO-3 and under qwZ + hpZ."""
+    counts = {}
+    for label, extra in (("zero3", {}), ("qwz_hpz", {"quantize_weights": True, "hpz_size": 2})):
+        torch.manual_seed(0)
+        model = zpp_compile.shard(
+            build("gpt"), zpp_compile.Config(ranks_per_node=2, inductor_regions=True, lowering="aot_eager", **extra)
+        )
+        x, y = batch("gpt", 2 * dist.get_world_size(), 0)
+        loss_of("gpt", torch.compile(model, backend="zeropp"), x, y).backward()
+        starts = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)
+        counts[label] = sum(n.target in starts for n in _training_graph().forward.graph.nodes)
+        reset_process_state()
+    return counts
+
+
+def test_qwz_and_hpz_gather_a_block_in_as_few_collectives_as_zero3(pools):
+    """qwZ + hpZ change what each forward gather carries, not how the gathers are bucketed (one per
+    block here). The gathers hpz inlined had lost their parameter, and each became a collective of
+    its own: the forward's 4 gathers became 15 for this GPT."""
+    for counts in pools(4).run(forward_gathers_per_config):
+        assert counts["qwz_hpz"] == counts["zero3"], counts
+
+
 def checkpointed_vs_not(lowering: str) -> dict:
     config = zpp_compile.Config(ranks_per_node=2, hpz_size=2, lowering=lowering)
     return {name: _train(name, config, steps=2) for name in ("ckpt_mlp", "mlp")}
