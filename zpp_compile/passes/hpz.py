@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from ..codegen.quantize import payload_numel
 from .context import PassContext
-from .graph_utils import SHARD_GATHERS, aten, calls, finish, insert_call, replace_node, tag_collectives
+from .graph_utils import SHARD_GATHERS, aten, calls, finish, insert_call, replace_node
 from .qwz import inline_int8_gather
 
 log = logging.getLogger(__name__)
@@ -53,13 +53,11 @@ def hpz(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, ctx: PassContext) -> tuple
         if marker is None or fw_outputs.count(marker.args[0]) != 1:
             continue
         index = fw_outputs.index(marker.args[0])
-        before, after, custom = marker.prev, marker.next, marker.meta.get("custom")
-        with fw_gm.graph.inserting_before(after):  # in order, right after the gather
+        with fw_gm.graph.inserting_before(marker.next):  # in order, right after the gather
             if _keeps_int8(marker, ctx):
                 fw_outputs[index], backward_gather = _int8_secondary(fw_gm.graph, marker, ctx)
             else:
                 fw_outputs[index], backward_gather = _full_precision_secondary(fw_gm.graph, marker, ctx)
-        tag_collectives(before, after, custom)  # the int8 path inlines the gather: it serves the marker's parameter
         _gather_secondary_in_backward(saved, fw_outputs[index], backward_gather)
         rewritten += 1
     if not rewritten:

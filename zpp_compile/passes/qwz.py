@@ -26,7 +26,7 @@ from torch import Tensor
 from ..codegen.quantize import weight_from_payloads
 from ..codegen.registry import QuantKernels, quant_kernels
 from .context import PassContext
-from .graph_utils import inline_traced, rewrite_calls
+from .graph_utils import inline_traced, rewrite_calls, tag_collectives
 
 log = logging.getLogger(__name__)
 
@@ -119,4 +119,7 @@ def inline_int8_gather(
         )  # fmt: skip
     log.debug("%s: %s kernels", marker.name, kernels.name)
     weight, gathered = inline_traced(graph, fn, [source], decompositions)
+    # The gather serves the marker's parameter (passes/README.md, invariant 10), wherever it is
+    # traced in: hpz inlines it after the marker, outside rewrite_calls. gathered = wait(gather).
+    tag_collectives(gathered.args[0].prev, gathered, marker.meta.get("custom"))
     return weight, gathered, layout
