@@ -17,12 +17,14 @@ folder from that "mega-cache" takes them as well and hits AOTAutograd's cache, w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,15 @@ _PROBE_REPEATS = 3  # the best of a few timings: less noise from a busy machine
 # busy machine varies by 2x (measured: 41 and 92 GFLOP/s in two runs on 2 shared cores), while a
 # different machine or network differs by more.
 REMEMBERED_RATES_TOLERANCE = 4.0
+# Before a remembered rate gives way, the rates are measured up to this many times more and the
+# best of each kept (load only slows a timing). Why: on 2 busy cores twelve measurements of 4
+# ranks spread 3.7x in FLOP/s; one that fell past the tolerance made a restarted job recompile
+# every graph (the likely cause of two cache tests that failed now and then in CI).
+_REMEASURE_ROUNDS = 3
+# Measured quantities that are times (lower is better); the others are rates.
+_TIMES = frozenset({"latency_s"})
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +131,8 @@ def build_cost_model(
     if config.intra_node_gbps is None or config.inter_node_gbps is None or config.compute_tflops is None:
         device = device or torch.device("cpu")
         links = _link_groups(config, topology)
-        rates = _measure(group, device, links, auto=config.auto_plan)
-        measured = _remembered(rates, group, device, nodes=topology.num_nodes if links else 1, auto=config.auto_plan)
+        measure = functools.partial(_measure, group, device, links, auto=config.auto_plan)
+        measured = _remembered(measure, group, device, nodes=topology.num_nodes if links else 1, auto=config.auto_plan)
     return CostModel(
         intra_node_bytes_per_s=_given_or(config.intra_node_gbps, measured, "intra_bytes_per_s", "bytes_per_s"),
         inter_node_bytes_per_s=_given_or(config.inter_node_gbps, measured, "inter_bytes_per_s", "bytes_per_s"),
@@ -204,33 +215,70 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
 
 
 def _remembered(
-    measured: dict[str, float],
+    measure: Callable[[], dict[str, float]],
     group: Optional[dist.ProcessGroup],
     device: torch.device,
     nodes: int = 1,
     auto: bool = False,
 ) -> dict[str, float]:
-    """The rates an earlier run on this machine measured, when the new measurement is within
-    REMEMBERED_RATES_TOLERANCE of them; else the new ones, which are then remembered.
+    """The rates an earlier run on this machine measured, when `measure()` (collective: the same
+    result on every rank) comes within REMEMBERED_RATES_TOLERANCE of them; else the new ones, which
+    are then remembered. A measurement out of tolerance is repeated (_REMEASURE_ROUNDS, keeping
+    the best of each rate) before it replaces what is remembered, and the replacement is logged.
 
     Why: the scheduling passes place collectives by these rates, and a measurement differs a little
     from run to run; graphs placed differently miss Inductor's FX-graph cache, so a restarted job
     would recompile everything. The rates live next to that cache (rates_file()); every rank
     takes the smallest of what the ranks chose, so they agree even when their files differ.
     """
+    measured = measure()
     path = rates_file(dist.get_world_size(group), device, nodes, auto)
     stored = _read_rates(path, measured.keys())
-    close = stored is not None and all(
-        1 / REMEMBERED_RATES_TOLERANCE <= stored[k] / m <= REMEMBERED_RATES_TOLERANCE for k, m in measured.items()
-    )
+    taken = 1
+    while taken <= _REMEASURE_ROUNDS and _on_any_rank(
+        stored is not None and not _within_tolerance(stored, measured), group, device
+    ):
+        measured = _best_of(measured, measure())
+        taken += 1
+    close = stored is not None and _within_tolerance(stored, measured)
     chosen = stored if close else measured
     agreed = torch.tensor([chosen[k] for k in measured], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     rates = dict(zip(measured, agreed.tolist()))
+    if stored is not None and rates != stored:
+        log.warning(
+            "zpp_compile: measured rates %s replace those remembered in %s, %s (the best of %d "
+            "measurements was more than %gx off, or the ranks' files differed): graphs scheduled with "
+            "the old rates compile again. Config(intra_node_gbps=, inter_node_gbps=, compute_tflops=) "
+            "schedules by fixed rates instead.",
+            _rounded(rates), path, _rounded(stored), taken, REMEMBERED_RATES_TOLERANCE,
+        )  # fmt: skip
     if rates != stored and int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0:
         _write_rates(path, rates)
     _carried_in_mega_cache(path, rates)
     return rates
+
+
+def _within_tolerance(stored: dict[str, float], measured: dict[str, float]) -> bool:
+    return all(
+        1 / REMEMBERED_RATES_TOLERANCE <= stored[k] / m <= REMEMBERED_RATES_TOLERANCE for k, m in measured.items()
+    )
+
+
+def _best_of(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
+    """Each quantity's better value: load only slows a timing, so the better is the nearer the truth."""
+    return {k: (min if k in _TIMES else max)(v, second[k]) for k, v in first.items()}
+
+
+def _on_any_rank(flag: bool, group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
+    """Whether `flag` holds on some rank (collective), so that every rank takes the same branch."""
+    found = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return bool(found.item())
+
+
+def _rounded(rates: dict[str, float]) -> dict[str, str]:
+    return {k: f"{v:.3g}" for k, v in rates.items()}
 
 
 def _carried_in_mega_cache(path: Path, rates: dict[str, float]) -> None:
