@@ -28,7 +28,7 @@ from examples.training_utils import compile_times_logged
 from zpp_compile import passes
 from zpp_compile.aot_cache import RewrittenPhase
 from zpp_compile.backend import _opaque_inputs_outside, _with_opaque_inputs
-from zpp_compile.cost_model import _remembered, rates_file
+from zpp_compile.cost_model import _best_of, _remembered, rates_file
 
 from .models import batch, build, loss_curve, loss_of
 from .workers import reset_process_state
@@ -321,15 +321,16 @@ _FAR_OFF = (1e9, 1e10)  # 10x the bytes/s of _SLOW: another network, or a measur
 @pytest.mark.parametrize(
     "stored, measurements, expected, taken",
     [
-        ({}, [_SLOW] * 4, _SLOW, 1),  # nothing remembered: the measurement, which is then written
+        ({}, [_SLOW] * 4, _SLOW, 4),  # nothing remembered: the best of 4 measurements, which is then written
         ({0: (1.5e8, 2e10), 1: (1.5e8, 2e10)}, [_SLOW] * 4, (1.5e8, 2e10), 1),  # close to it: the remembered
         ({0: _FAR_OFF, 1: _FAR_OFF}, [_SLOW] * 4, _SLOW, 4),  # 10x off four times: measured afresh
+        ({0: _FAR_OFF, 1: _FAR_OFF}, [_SLOW, (2e8, 1e10), _SLOW, _SLOW], (2e8, 1e10), 4),  # the best of them
         # Off once (a busy machine), then back within the tolerance: the remembered rates stand.
         ({0: _FAR_OFF, 1: _FAR_OFF}, [_SLOW, (5e8, 1e10), _SLOW, _SLOW], _FAR_OFF, 2),
-        ({0: (1.5e8, 2e10)}, [_SLOW] * 4, _SLOW, 1),  # ranks that chose differently agree on the smaller
+        ({0: (1.5e8, 2e10)}, [_SLOW] * 4, _SLOW, 4),  # ranks that chose differently agree on the smaller
         ({0: _FAR_OFF}, [_SLOW] * 4, _SLOW, 4),  # one rank's file off: every rank measures again with it
     ],
-    ids=["nothing_remembered", "remembered", "too_far_off", "off_once", "ranks_disagree", "one_rank_off"],
+    ids=["nothing_remembered", "remembered", "too_far_off", "best_kept", "off_once", "ranks_disagree", "one_rank_off"],
 )
 def test_measured_rates_are_remembered_so_a_restart_schedules_alike(
     pools, tmp_path, stored, measurements, expected, taken
@@ -344,6 +345,12 @@ def test_measured_rates_are_remembered_so_a_restart_schedules_alike(
         if replaced:
             assert "replace those remembered" in logged[0] and "compile again" in logged[0], logged[0]
             assert "Config(intra_node_gbps=" in logged[0], logged[0]
+
+
+def test_the_best_of_two_measurements_is_the_faster_rate_and_the_shorter_time():
+    first = {"bytes_per_s": 1e8, "flops_per_s": 4e10, "latency_s": 2e-4}
+    second = {"bytes_per_s": 3e8, "flops_per_s": 1e10, "latency_s": 5e-4}
+    assert _best_of(first, second) == {"bytes_per_s": 3e8, "flops_per_s": 4e10, "latency_s": 2e-4}
 
 
 def test_device_meshes_stay_outside_the_inductor_graph_and_come_back_where_they_were():

@@ -46,10 +46,12 @@ _PROBE_REPEATS = 3  # the best of a few timings: less noise from a busy machine
 # busy machine varies by 2x (measured: 41 and 92 GFLOP/s in two runs on 2 shared cores), while a
 # different machine or network differs by more.
 REMEMBERED_RATES_TOLERANCE = 4.0
-# Before a remembered rate gives way, the rates are measured up to this many times more and the
-# best of each kept (load only slows a timing). Why: on 2 busy cores twelve measurements of 4
-# ranks spread 3.7x in FLOP/s; one that fell past the tolerance made a restarted job recompile
-# every graph (the likely cause of two cache tests that failed now and then in CI).
+# The rates are measured this many times more, keeping the best of each (load only slows a
+# timing), before they are first remembered and before a new measurement past the tolerance
+# replaces them. Why: on 2 busy cores twelve measurements of 4 ranks spread 3.7x in FLOP/s; one
+# that fell past the tolerance made a restarted job recompile every graph (the likely cause of two
+# cache tests that failed now and then in CI). Remembering the best makes a later slow measurement
+# the likely departure, and that one is taken again.
 _REMEASURE_ROUNDS = 3
 # Measured quantities that are times (lower is better); the others are rates.
 _TIMES = frozenset({"latency_s"})
@@ -223,8 +225,8 @@ def _remembered(
 ) -> dict[str, float]:
     """The rates an earlier run on this machine measured, when `measure()` (collective: the same
     result on every rank) comes within REMEMBERED_RATES_TOLERANCE of them; else the new ones, which
-    are then remembered. A measurement out of tolerance is repeated (_REMEASURE_ROUNDS, keeping
-    the best of each rate) before it replaces what is remembered, and the replacement is logged.
+    are then remembered. With nothing remembered, or a measurement out of tolerance, it is repeated
+    (_REMEASURE_ROUNDS, keeping the best of each rate) first; a replacement is logged.
 
     Why: the scheduling passes place collectives by these rates, and a measurement differs a little
     from run to run; graphs placed differently miss Inductor's FX-graph cache, so a restarted job
@@ -236,7 +238,7 @@ def _remembered(
     stored = _read_rates(path, measured.keys())
     taken = 1
     while taken <= _REMEASURE_ROUNDS and _on_any_rank(
-        stored is not None and not _within_tolerance(stored, measured), group, device
+        stored is None or not _within_tolerance(stored, measured), group, device
     ):
         measured = _best_of(measured, measure())
         taken += 1
@@ -245,7 +247,8 @@ def _remembered(
     agreed = torch.tensor([chosen[k] for k in measured], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     rates = dict(zip(measured, agreed.tolist()))
-    if stored is not None and rates != stored:
+    writer = int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0
+    if stored is not None and rates != stored and writer:
         log.warning(
             "zpp_compile: measured rates %s replace those remembered in %s, %s (the best of %d "
             "measurements was more than %gx off, or the ranks' files differed): graphs scheduled with "
@@ -253,7 +256,7 @@ def _remembered(
             "schedules by fixed rates instead.",
             _rounded(rates), path, _rounded(stored), taken, REMEMBERED_RATES_TOLERANCE,
         )  # fmt: skip
-    if rates != stored and int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0:
+    if rates != stored and writer:
         _write_rates(path, rates)
     _carried_in_mega_cache(path, rates)
     return rates
@@ -312,7 +315,7 @@ def _read_rates(path: Path, names) -> Optional[dict[str, float]]:
     try:
         data = json.loads(path.read_text())
         return {name: float(data[name]) for name in names}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, ArithmeticError):  # one rank raising would hang the rest
         return None
 
 
