@@ -24,7 +24,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.compiler._cache import CacheArtifactManager
 
 import zpp_compile
-from examples.training_utils import compile_times_logged
+from examples.training_utils import _CallbackHandler, compile_times_logged
 from zpp_compile import passes
 from zpp_compile.aot_cache import RewrittenPhase
 from zpp_compile.backend import _opaque_inputs_outside, _with_opaque_inputs
@@ -291,8 +291,7 @@ def _remembered_on_every_rank(stored: dict[int, tuple], measurements: list[tuple
         dist.barrier()  # ranks that measured different numbers of times would hang here
         return dict(zip(_RATE_NAMES, next(taken)))
 
-    handler = logging.Handler()
-    handler.emit = lambda record: logged.append(record.getMessage())
+    handler = _CallbackHandler(logged.append)
     cost_model_log = logging.getLogger("zpp_compile.cost_model")
     cost_model_log.addHandler(handler)
     try:

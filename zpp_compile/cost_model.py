@@ -247,16 +247,15 @@ def _remembered(
     agreed = torch.tensor([chosen[k] for k in measured], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     rates = dict(zip(measured, agreed.tolist()))
-    writer = int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0
-    if stored is not None and rates != stored and writer:
-        log.warning(
-            "zpp_compile: measured rates %s replace those remembered in %s, %s (the best of %d "
-            "measurements was more than %gx off, or the ranks' files differed): graphs scheduled with "
-            "the old rates compile again. Config(intra_node_gbps=, inter_node_gbps=, compute_tflops=) "
-            "schedules by fixed rates instead.",
-            _rounded(rates), path, _rounded(stored), taken, REMEMBERED_RATES_TOLERANCE,
-        )  # fmt: skip
-    if rates != stored and writer:
+    if rates != stored and int(os.environ.get("LOCAL_RANK", dist.get_rank(group))) == 0:
+        if stored is not None:
+            log.warning(
+                "zpp_compile: measured rates %s replace those remembered in %s, %s (the best of %d "
+                "measurements was more than %gx off, or the ranks' files differed): graphs scheduled "
+                "with the old rates compile again. Config(intra_node_gbps=, inter_node_gbps=, "
+                "compute_tflops=) schedules by fixed rates instead.",
+                _rounded(rates), path, _rounded(stored), taken, REMEMBERED_RATES_TOLERANCE,
+            )  # fmt: skip
         _write_rates(path, rates)
     _carried_in_mega_cache(path, rates)
     return rates
