@@ -140,7 +140,6 @@ class ZeroppOutputCode(OutputCode):
             raise FXGraphCacheMiss("zpp_compile: a cached zeropp graph can only be loaded by backend='zeropp'")
         try:
             gm = graph_pickling.loads(self._pickled_graph, detect_fake_mode(example_inputs))
-            gm.recompile()
             rewritten = dataclasses.replace(self._rewritten, gm=gm)
             self._compiled = lower(rewritten, rewritten.example_inputs())
         except Exception as err:

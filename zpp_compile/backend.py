@@ -28,6 +28,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from . import aot_cache, auto_plan, comm, compat, compile_sharing, compile_timing, inductor_regions, passes
 from .faults import explained_collective_failures
@@ -409,17 +410,17 @@ def _opaque_inputs_outside(
         return gm, list(example_inputs), None
     position = {placeholders[i]: i for i in moved}
     passed_through = [(j, position[v]) for j, v in enumerate(outputs) if v in position] if flat_output else []
-    lowered = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    output = lowered.graph.output_node()
-    new_placeholders = [n for n in lowered.graph.nodes if n.op == "placeholder"]
+    graph = copy.deepcopy(gm.graph)
+    output = graph.output_node()
+    new_placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if passed_through:
         returned = list(output.args[0])
         for j, _ in passed_through:
             returned[j] = None
         output.args = (type(output.args[0])(returned),)
     for i in moved:
-        lowered.graph.erase_node(new_placeholders[i])
-    lowered.recompile()
+        graph.erase_node(new_placeholders[i])
+    lowered = _LazyGraphModule(gm, graph)  # its code is made if Inductor reads it (not when cut into regions)
     kept = [i for i in range(len(example_inputs)) if i not in moved]
     return lowered, [example_inputs[i] for i in kept], _OpaqueInputs(kept, passed_through)
 
