@@ -47,14 +47,18 @@ def _graph_with_a_view() -> fx.GraphModule:
     return fx.GraphModule({}, graph)
 
 
+class _Spied(graph_pickling._TensorPickleData):
+    """torch's way of pickling a fake value (full description, meta converter), noting each value."""
+
+    described: list = []
+
+    def __init__(self, describer, t):
+        _Spied.described.append(t)
+        super().__init__(describer, t)
+
+
 def test_a_graph_with_views_and_run_time_classes_comes_back_with_its_fake_values(monkeypatch):
-    described = []  # values that took torch's way (described in full, rebuilt by its meta converter)
-
-    class _Spied(graph_pickling._TensorPickleData):
-        def __init__(self, describer, t):
-            described.append(t)
-            super().__init__(describer, t)
-
+    described = _Spied.described = []
     monkeypatch.setattr(graph_pickling, "_TensorPickleData", _Spied)
     gm = _graph_with_a_view()
     data = graph_pickling.dumps(gm)
