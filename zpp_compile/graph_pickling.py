@@ -37,6 +37,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._mode_utils import no_dispatch
 
 from .passes.graph_utils import has_static_geometry
+from .passes.trace_cache import fake_on_storage
 
 _MODULE_STACKS = ("nn_module_stack", "fwd_nn_module_stack", "source_fn_stack", "fwd_source_fn_stack")
 
@@ -87,12 +88,8 @@ class _StorageRef:
 def _rebuild(
     ref: _StorageRef, geometry: tuple, dtype: torch.dtype, device: torch.device, grad: bool, state: Any
 ) -> FakeTensor:
-    shape, stride, offset = geometry
     with no_dispatch():
-        meta = torch.empty(0, dtype=dtype, device="meta")
-        meta.set_(ref.storage(), offset, shape, stride)
-        meta.requires_grad_(grad)
-        return FakeTensor(state.fake_mode, meta, device)
+        return fake_on_storage(ref.storage(), geometry, dtype, device, grad, state.fake_mode)
 
 
 def _rebuild_view(base: FakeTensor, shape: tuple, stride: tuple, offset: int) -> FakeTensor:
