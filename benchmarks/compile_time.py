@@ -11,6 +11,8 @@ alone.
 A zeropp config name with "_whole" appended (zero3_whole, zeropp_full_whole) keeps the biases and
 norms whole on every rank (Config.keep_whole_numel=KEEP_WHOLE_NUMEL): graphs with a third of the
 gathers.
+"_unbatched" appended last (zeropp_full_unbatched) builds each C++ kernel as Inductor does, one
+compiler run per kernel (Config.batch_cpu_kernels=False): the A/B of zpp_compile/cpu_kernel_batching.py.
 
 Hugging Face GPT-2 built from a config (n_embd --width, --layers deep), 4 CPU processes as 2
 simulated nodes x 2 (gloo). Each (config, depth) runs in fresh processes three ways:
@@ -74,12 +76,14 @@ def _build(name: str, layers: int, width: int, ranks_per_node: int):
         return torch.compile(torch.nn.parallel.DistributedDataParallel(model)), None
     import zpp_compile
 
-    full = name.removesuffix("_whole") == "zeropp_full"
+    base = name.removesuffix("_unbatched")
+    full = base.removesuffix("_whole") == "zeropp_full"
     with torch.device("meta"):
         model = _model(layers, width)
     config = zpp_compile.Config(
         ranks_per_node=ranks_per_node if full else None, quantize_weights=full, hpz_size=ranks_per_node if full else None,
-        quantize_gradients=full, keep_whole_numel=KEEP_WHOLE_NUMEL if name.endswith("_whole") else 0,
+        quantize_gradients=full, keep_whole_numel=KEEP_WHOLE_NUMEL if base.endswith("_whole") else 0,
+        batch_cpu_kernels=not name.endswith("_unbatched"),
     )  # fmt: skip
     zpp_compile.shard(model, config)
     zpp_compile.materialize(model, init=lambda m: m.init_weights())

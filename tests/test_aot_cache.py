@@ -44,10 +44,11 @@ def test_what_the_rewrite_reads_is_in_the_key(changed):
         {"config": Config(check_schedule=False)},
         {"config": Config(collective_timeout_s=30.0)},
         {"config": Config(share_compiles=False)},
+        {"config": Config(batch_cpu_kernels=False)},
         {"topology": dataclasses.replace(TOPOLOGY, collective_timeout_s=30.0)},
         {"spec": dataclasses.replace(SPEC, plan_id=3)},  # which shard() call: the rewrite never reads it
     ],
-    ids=["check_schedule", "timeout", "share_compiles", "topology_timeout", "plan_id"],
+    ids=["check_schedule", "timeout", "share_compiles", "batch_cpu_kernels", "topology_timeout", "plan_id"],
 )
 def test_what_only_the_lowering_reads_leaves_the_key_alone(changed):
     """A hit lowers the graphs afresh with the new settings: changing these must not miss."""

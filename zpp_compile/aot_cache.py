@@ -15,7 +15,7 @@ Inductor configs): a tag with zpp_compile's code and pass lists, the Config, the
 group names included: they are in the graphs), the parameters' shard specs, the quantization
 kernels forced by ZPP_QUANT_KERNELS and the cost model's rates (the scheduling passes order by
 them). Config fields only the lowering and the run-time wrappers read (check_schedule,
-collective_timeout_s, share_compiles) are left out: a hit lowers with the new Config. The tag is
+collective_timeout_s, share_compiles, batch_cpu_kernels) are left out: a hit lowers with the new Config. The tag is
 torch's `cache_key_tag`, set only while AOTAutograd computes its key; Inductor's compiles inside
 see the user's own tag, so the regions the ranks of a host share keep one key.
 
@@ -197,7 +197,7 @@ def bypass_reason(config: Config) -> Optional[str]:
 
 # Config fields only the lowering and the run-time wrappers read, which a cache hit runs afresh
 # with the new Config: changing them between starts must not miss.
-_LOWERING_ONLY = ("check_schedule", "collective_timeout_s", "share_compiles")
+_LOWERING_ONLY = ("check_schedule", "collective_timeout_s", "share_compiles", "batch_cpu_kernels")
 
 
 def key_tag(config: Config, topology: Topology, shard_specs: Sequence[Any], cost_model: Any) -> str:

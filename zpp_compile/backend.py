@@ -361,8 +361,8 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassCon
     from torch._inductor.compile_fx import compile_fx_inner
 
     compile_graph = functools.partial(
-        compile_fx_inner, is_backward=ctx.phase == "backward", is_inference=ctx.phase == "inference",
-        graph_id=ctx.graph_id,
+        _compile_batched if ctx.config.batch_cpu_kernels else compile_fx_inner,
+        is_backward=ctx.phase == "backward", is_inference=ctx.phase == "inference", graph_id=ctx.graph_id,
     )  # fmt: skip
     whole = passes.compiled_whole_reason(gm, ctx)
     if whole:
@@ -371,6 +371,17 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassCon
     # compiled_graphs() keeps the rewritten graph as the passes left it.
     cut = gm if is_copy else fx.GraphModule(gm, copy.deepcopy(gm.graph))
     return inductor_regions.compile_regions(cut, compile_graph, _region_compiler(ctx))
+
+
+def _compile_batched(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
+    """Inductor's compile_fx_inner with the compiled module's C++ kernels built as one library
+    (Config.batch_cpu_kernels)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from . import cpu_kernel_batching  # imports Inductor's code cache: only once the backend compiles
+
+    with cpu_kernel_batching.batched():
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def _region_compiler(ctx: passes.PassContext) -> Callable[[list[inductor_regions.RegionCompile]], None]:

@@ -244,6 +244,13 @@ class Config:
         "the cache directory) and loads them from the cache afterwards. No collective; `False`: each rank "
         "compiles every region itself",
     )
+    batch_cpu_kernels: bool = _field(
+        True,
+        "on CPU, the C++ kernels of each compiled graph (or region) are built as one library, one compiler run "
+        "instead of one per kernel (zpp_compile/cpu_kernel_batching.py): the same kernels, bitwise the same "
+        "results, a cold start's build time cut by most of the compiler's per-run cost. `False`: Inductor's "
+        "own way, a library per kernel",
+    )
     plan: PlanMode = _field(
         "manual",
         '`"manual"`: the fields above say which ZeRO++ techniques run. `"auto"`: each compiled graph gets the '
@@ -278,6 +285,7 @@ class Config:
         if self.inductor_regions is not None:
             _require_bool(self, "inductor_regions")
         _require_bool(self, "share_compiles")
+        _require_bool(self, "batch_cpu_kernels")
         _require_bool(self, "hpz_quantized_secondary")
         _require_bool(self, "qgz_error_feedback")
         if self.qgz_error_feedback and not self.quantize_gradients and not (self.auto_plan and self.allow_lossy):
