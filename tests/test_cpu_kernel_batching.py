@@ -7,11 +7,12 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 
 import pytest
 import torch
 from torch._inductor.async_compile import AsyncCompile
-from torch._inductor.codecache import PyCodeCache
+from torch._inductor.codecache import CppPythonBindingsCodeCache, PyCodeCache
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
@@ -72,15 +73,25 @@ def test_a_graphs_kernels_build_as_one_library_with_bitwise_equal_results(tmp_pa
     assert together == 1
     assert all(torch.equal(a, b) for a, b in zip(ref, out))
     # A restart (module loaded from the FX graph cache) finds the library: nothing is built again.
+    (library,) = glob.glob(str(tmp_path / "batched" / "*" / "*.main.so"))
+    built = os.stat(library).st_mtime_ns
     again, libraries = _compiled_in(tmp_path / "batched", _batched_inductor)
-    assert libraries == 1
+    assert libraries == 1 and os.stat(library).st_mtime_ns == built
     assert all(torch.equal(a, b) for a, b in zip(ref, again))
 
 
+def test_with_one_compile_thread_the_library_builds_in_place(tmp_path):
+    """Inductor builds in its own process then (TORCHINDUCTOR_COMPILE_THREADS=1, one CPU)."""
+    ref, _ = _compiled_in(tmp_path / "inductor", "inductor")
+    with torch._inductor.config.patch(compile_threads=1):
+        out, libraries = _compiled_in(tmp_path / "batched", _batched_inductor)
+    assert libraries == 1
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+
+
 def test_many_kernels_build_as_several_libraries_side_by_side(tmp_path, monkeypatch):
-    """As many libraries as compile workers, none under MIN_KERNELS_PER_LIBRARY kernels."""
-    monkeypatch.setattr(cpu_kernel_batching, "MIN_KERNELS_PER_LIBRARY", 2)
-    monkeypatch.setattr(cpu_kernel_batching, "get_compile_threads", lambda: 2)
+    """No library of more than MAX_KERNELS_PER_LIBRARY kernels: five kernels, at most three each."""
+    monkeypatch.setattr(cpu_kernel_batching, "MAX_KERNELS_PER_LIBRARY", 3)
     ref, _ = _compiled_in(tmp_path / "inductor", "inductor")
     out, libraries = _compiled_in(tmp_path / "batched", _batched_inductor)
     assert libraries == 2
@@ -121,13 +132,21 @@ def test_outside_batched_inductor_builds_its_own_way():
         (SCALE.replace(PREFIX, ""), SCALE_ARGS),  # not Inductor's header first
         (SCALE.replace(PREFIX, PREFIX + "#include <vector>\n"), SCALE_ARGS),  # an include inside a namespace
         (SCALE.replace(PREFIX, PREFIX + "#define N 4\n"), SCALE_ARGS),  # macros would clash across kernels
+        (SCALE.replace(PREFIX, PREFIX + '#pragma GCC optimize("O0")\n'), SCALE_ARGS),  # would reach later kernels
         (SCALE + SCALE.replace(PREFIX, ""), SCALE_ARGS),  # two entry points
         (SCALE.replace("float scale", "double scale"), SCALE_ARGS[:3] + ["double"]),  # unread argument type
     ],
-    ids=["no_prefix", "include", "define", "two_entries", "double_arg"],
+    ids=["no_prefix", "include", "define", "file_pragma", "two_entries", "double_arg"],
 )
 def test_a_kernel_of_another_form_is_not_batched(source, argtypes):
     assert namespaced_kernel(source, argtypes, 0) is None
+
+
+def test_the_bindings_read_the_scalar_types_inductors_bindings_read():
+    """Caught on a torch upgrade: Inductor's parse_arg specialisations are the ones _BINDINGS has."""
+    inductor = set(re.findall(r"parse_arg<(\w+)>\(PyObject", CppPythonBindingsCodeCache.suffix_template))
+    ours = set(re.findall(r"arg<(\w+)>\(PyObject", cpu_kernel_batching._BINDINGS))
+    assert inductor == ours == set(cpu_kernel_batching._SCALAR_ARGS)
 
 
 def test_inductors_kernel_becomes_a_namespaced_function():

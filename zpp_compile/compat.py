@@ -66,10 +66,11 @@ PRIVATE_APIS: Mapping[str, tuple[str, ...]] = {
 
 # Private APIs of modules that take a second to import, checked when the backend first compiles.
 LAZY_PRIVATE_APIS: Mapping[str, tuple[str, ...]] = {
-    "torch._inductor.async_compile": ("AsyncCompile",),
+    "torch._inductor.async_compile": ("AsyncCompile", "get_compile_threads"),
     "torch._inductor.codecache": ("CodeCacheFuture", "CppPythonBindingsCodeCache"),
     "torch._inductor.compile_fx": ("compile_fx", "compile_fx_inner", "partition_fn"),
     "torch._inductor.decomposition": ("select_decomp_table",),
+    "torch._inductor.utils": ("clear_on_fresh_cache",),
     "torch._inductor.runtime.autotune_cache": ("AutotuneCacheArtifact",),
 }
 

@@ -246,10 +246,10 @@ class Config:
     )
     batch_cpu_kernels: bool = _field(
         True,
-        "on CPU, the C++ kernels of each compiled graph (or region) are built as one library, one compiler run "
-        "instead of one per kernel (zpp_compile/cpu_kernel_batching.py): the same kernels, bitwise the same "
-        "results, a cold start's build time cut by most of the compiler's per-run cost. `False`: Inductor's "
-        "own way, a library per kernel",
+        "on CPU, the C++ kernels of each graph zeropp rewrites (of each region, where cut) are built as one "
+        "library, one compiler run instead of one per kernel (zpp_compile/cpu_kernel_batching.py): the same "
+        "kernels, bitwise the same results with Inductor's default flags, most of the compiler's per-run cost "
+        "saved on a cold start. `False`: Inductor's own way, a library per kernel",
     )
     plan: PlanMode = _field(
         "manual",

@@ -15,11 +15,13 @@ the module's place. Inductor's code cache keys the library by its source, so a r
 another rank of the host, loads it instead of building it.
 
 What a kernel computes is untouched: the same source, compiler flags and calling convention
-(tensor arguments read through Inductor's data-pointer hook), so results are bitwise the same. A
-kernel whose source is not of the form Inductor writes today (cpp_prefix.h, then one
-`extern "C" void kernel(`, no other preprocessor lines besides pragmas) or that takes an argument
-type the bindings do not read is built Inductor's way; so is every kernel of a library that fails to
-build (logged).
+(tensor arguments read through Inductor's data-pointer hook), so with Inductor's default flags
+(no fast-math, no floating-point contraction) results are bitwise the same. A kernel whose source
+is not of the form Inductor writes today (cpp_prefix.h, then one `extern "C" void kernel(`, no
+other preprocessor lines than the pragmas Inductor puts in loops) or that takes an argument type
+the bindings do not read is built Inductor's way; so is every kernel of a library that fails to
+build (logged). Errors raised by a batched entry point are TypeError for a wrong argument count
+and RuntimeError otherwise (Inductor's own bindings raise RuntimeError for both).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import contextvars
 import functools
 import logging
 import re
+import threading
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from torch._inductor.async_compile import AsyncCompile, get_compile_threads
@@ -41,9 +44,15 @@ _ACTIVE = contextvars.ContextVar("zpp_compile_batch_cpu_kernels", default=False)
 _PREFIX = "#include <torch/csrc/inductor/cpp_prefix.h>"
 _ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(')
 _SCALAR_ARGS = ("int64_t", "uintptr_t", "float")  # besides pointers: what Inductor's bindings read
+# The pragmas Inductor writes inside its kernels; any other (a file-level `GCC optimize`) would
+# carry into every later kernel of a library.
+_KERNEL_PRAGMA = re.compile(r"#pragma\s+(omp\b|GCC\s+ivdep\b|GCC\s+unroll\b|unroll\b)")
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
-# Libraries per graph module: up to one per compile worker, none of fewer kernels than this.
-MIN_KERNELS_PER_LIBRARY = 16
+_INSTALLING = threading.Lock()
+# A module of more kernels than this is built as several libraries, side by side in Inductor's
+# compile workers. A number of kernels, not of workers: every host cuts a module alike, so the
+# libraries a cache folder (or a mega-cache) holds serve any host.
+MAX_KERNELS_PER_LIBRARY = 32
 
 
 @contextlib.contextmanager
@@ -65,7 +74,7 @@ def namespaced_kernel(source: str, argtypes: list[str], index: int) -> Optional[
         return None
     body = body[len(_PREFIX) :]
     directives = [line.strip() for line in body.splitlines() if line.strip().startswith("#")]
-    if any(not d.startswith("#pragma") for d in directives) or len(_ENTRY.findall(body)) != 1:
+    if any(not _KERNEL_PRAGMA.match(d) for d in directives) or len(_ENTRY.findall(body)) != 1:
         return None
     if not all(t.endswith("*") or t.replace("const ", "") in _SCALAR_ARGS for t in argtypes):
         return None
@@ -126,9 +135,8 @@ class _BatchedBindings(CppPythonBindingsCodeCache):
 
 
 def _libraries(kernels: list[_Kernel]) -> list[list[_Kernel]]:
-    """The kernels cut into libraries to build side by side: as many as Inductor's compile workers,
-    each of at least MIN_KERNELS_PER_LIBRARY (the compiler's fixed cost is what batching saves)."""
-    count = max(1, min(get_compile_threads(), len(kernels) // MIN_KERNELS_PER_LIBRARY))
+    """The kernels cut into libraries of at most MAX_KERNELS_PER_LIBRARY, of even sizes."""
+    count = -(-len(kernels) // MAX_KERNELS_PER_LIBRARY)
     size = -(-len(kernels) // count)
     return [kernels[start : start + size] for start in range(0, len(kernels), size)]
 
@@ -137,8 +145,11 @@ def _start_build(kernels: list[_Kernel]) -> Callable[[], list[Callable[..., Any]
     """Starts building one library (in Inductor's compile workers, where it has them); returns how to
     wait for its entry points. A library that fails to build gets each kernel built Inductor's way."""
     source = "\n".join([_PREFIX, *(k.namespaced for k in kernels), _bindings(kernels)])
+    # With one compile thread Inductor builds in place, without a submit function: submitting would
+    # run the build under the file lock load_async holds, and the build takes that lock again.
+    submit = AsyncCompile.submit if get_compile_threads() > 1 else None
     try:
-        load = _BatchedBindings.load_async(source, "cpu", submit_fn=AsyncCompile.submit)
+        load = _BatchedBindings.load_async(source, "cpu", submit_fn=submit)
     except Exception as err:  # a failure to start: Inductor's way
         return functools.partial(_each_alone, kernels, err)
 
@@ -215,6 +226,9 @@ template <typename Call> static PyObject* run(PyObject* args, Py_ssize_t expecte
     } catch (std::exception const& e) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
         return nullptr;
+    } catch (...) {
+        PyErr_SetString(PyExc_RuntimeError, "a batched kernel raised a non-standard C++ exception");
+        return nullptr;
     }
     Py_RETURN_NONE;
 }
@@ -239,10 +253,12 @@ PyMODINIT_FUNC PyInit_kernels(void) {
 
 
 def _cpp_pybinding(self: AsyncCompile, argtypes: list[str], source_code: str) -> Any:
+    if not _ACTIVE.get():
+        return _ORIGINAL["cpp_pybinding"](self, argtypes, source_code)
     batch = self.__dict__.get("_zpp_batch")
     if batch is None or batch.entries is not None:  # a module's first kernel, or one after its wait
         batch = _Batch()
-    namespaced = namespaced_kernel(source_code, argtypes, len(batch.kernels)) if _ACTIVE.get() else None
+    namespaced = namespaced_kernel(source_code, argtypes, len(batch.kernels))
     if namespaced is None:
         return _ORIGINAL["cpp_pybinding"](self, argtypes, source_code)
     self.__dict__["_zpp_batch"] = batch
@@ -258,8 +274,9 @@ def _wait(self: AsyncCompile, scope: dict[str, Any]) -> None:
 
 def _install() -> None:
     """Route AsyncCompile's C++ kernels through this module (outside `batched()` nothing changes)."""
-    if _ORIGINAL:
-        return
-    _ORIGINAL.update(cpp_pybinding=AsyncCompile.cpp_pybinding, wait=AsyncCompile.wait)
-    AsyncCompile.cpp_pybinding = _cpp_pybinding  # type: ignore[method-assign]
-    AsyncCompile.wait = _wait  # type: ignore[method-assign]
+    with _INSTALLING:  # two threads installing at once would keep the patched function as the original
+        if _ORIGINAL:
+            return
+        _ORIGINAL.update(cpp_pybinding=AsyncCompile.cpp_pybinding, wait=AsyncCompile.wait)
+        AsyncCompile.cpp_pybinding = _cpp_pybinding  # type: ignore[method-assign]
+        AsyncCompile.wait = _wait  # type: ignore[method-assign]
