@@ -38,6 +38,8 @@ from torch._inductor.async_compile import AsyncCompile, get_compile_threads
 from torch._inductor.codecache import CodeCacheFuture, CppPythonBindingsCodeCache
 from torch._inductor.utils import clear_on_fresh_cache
 
+from .codegen.quantize import ceil_div
+
 log = logging.getLogger(__name__)
 
 _ACTIVE = contextvars.ContextVar("zpp_compile_batch_cpu_kernels", default=False)
@@ -110,10 +112,14 @@ class _Batch:
         self.kernels: list[_Kernel] = []
         self.entries: Optional[list[Callable[..., Any]]] = None
 
-    def add(self, argtypes: list[str], source: str, namespaced: str) -> int:
+    def add(self, argtypes: list[str], source: str) -> Optional[int]:
+        """The kernel's index in the batch; None for a kernel of a form not batched."""
         index = len(self.kernels)
-        self.kernels.append(_Kernel(index, list(argtypes), source, namespaced))
-        return index
+        namespaced = namespaced_kernel(source, argtypes, index)
+        if namespaced is not None:
+            self.kernels.append(_Kernel(index, list(argtypes), source, namespaced))
+            return index
+        return None
 
     def entry(self, index: int) -> Callable[..., Any]:
         if self.entries is None:
@@ -136,8 +142,7 @@ class _BatchedBindings(CppPythonBindingsCodeCache):
 
 def _libraries(kernels: list[_Kernel]) -> list[list[_Kernel]]:
     """The kernels cut into libraries of at most MAX_KERNELS_PER_LIBRARY, of even sizes."""
-    count = -(-len(kernels) // MAX_KERNELS_PER_LIBRARY)
-    size = -(-len(kernels) // count)
+    size = ceil_div(len(kernels), ceil_div(len(kernels), MAX_KERNELS_PER_LIBRARY))
     return [kernels[start : start + size] for start in range(0, len(kernels), size)]
 
 
@@ -257,12 +262,11 @@ def _cpp_pybinding(self: AsyncCompile, argtypes: list[str], source_code: str) ->
         return _ORIGINAL["cpp_pybinding"](self, argtypes, source_code)
     batch = self.__dict__.get("_zpp_batch")
     if batch is None or batch.entries is not None:  # a module's first kernel, or one after its wait
-        batch = _Batch()
-    namespaced = namespaced_kernel(source_code, argtypes, len(batch.kernels))
-    if namespaced is None:
+        batch = self.__dict__["_zpp_batch"] = _Batch()
+    index = batch.add(argtypes, source_code)
+    if index is None:
         return _ORIGINAL["cpp_pybinding"](self, argtypes, source_code)
-    self.__dict__["_zpp_batch"] = batch
-    return PendingKernel(batch, batch.add(argtypes, source_code, namespaced))
+    return PendingKernel(batch, index)
 
 
 def _wait(self: AsyncCompile, scope: dict[str, Any]) -> None:
