@@ -122,7 +122,7 @@ def test_a_pending_kernel_reads_pointers_ints_and_floats_and_checks_its_argument
 
 
 def test_outside_batched_inductor_builds_its_own_way():
-    cpu_kernel_batching._install()
+    cpu_kernel_batching._PATCH.install()
     assert not isinstance(AsyncCompile().cpp_pybinding(SCALE_ARGS, SCALE), PendingKernel)
 
 

@@ -106,3 +106,39 @@ def test_node_arguments_map_as_pytree_maps_them_but_keep_sizes():
         assert got == want and type(got) is type(want), value
     # pytree makes a torch.Size a tuple; kept, the loaded graph's code stays the one compiled cold
     assert type(graph_pickling._map_nodes(torch.Size([2, 3]), str, Leaf)) is torch.Size
+
+
+def test_a_node_record_has_the_fields_torchs_has():
+    """_NodePickleData skips torch's __init__ (its pytree mapping is slow): the record must still
+    hold what torch's holds, so torch's unpickling and a newer torch's fields are not missed."""
+    gm = _graph_with_a_view()
+    options = graph_pickler.Options(ops_filter=None, node_metadata_key_filter=graph_pickling._kept_metadata)
+    for node in gm.graph.nodes:
+        ours = graph_pickling._NodePickleData(node, collections.defaultdict(object), options)
+        torchs = graph_pickler._NodePickleData(node, collections.defaultdict(object), options)
+        assert vars(ours).keys() == vars(torchs).keys()
+        assert (ours.name, ours.op, ours.type, ours.meta.keys()) == (
+            torchs.name,
+            torchs.op,
+            torchs.type,
+            torchs.meta.keys(),
+        )
+        assert type(ours.target) is type(torchs.target) and vars(ours.target) == vars(torchs.target)
+
+
+def test_a_graph_edited_after_its_last_recompile_comes_back_as_edited():
+    """dumps does not recompile first (torch's does): the loaded module's code is the edited
+    graph's, not the stale code the module still held."""
+    gm = _graph_with_a_view()
+    stale_code = gm.code
+    output = gm.graph.output_node()
+    out, bits, tail_bits = output.args[0]
+    with gm.graph.inserting_before(output):
+        negated = gm.graph.call_function(torch.ops.aten.neg.default, (out,))
+    output.args = ((negated, bits, tail_bits),)
+    assert gm.code == stale_code  # not recompiled
+    loaded = graph_pickling.loads(graph_pickling.dumps(gm), FakeTensorMode())
+    assert loaded.code != stale_code and "neg" in loaded.code
+    x, w = torch.randn(2, 3), torch.randn(3, 3)
+    gm.recompile()
+    assert all(torch.equal(a, b) for a, b in zip(loaded(x, w), gm(x, w)))

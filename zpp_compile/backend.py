@@ -358,10 +358,8 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassCon
     """Inductor's compiled gm (boxed): region by region (see inductor_regions) unless the Config
     or the graph rules that out, else whole. `is_copy`: gm is not the graph compiled_graphs()
     keeps, so cutting regions may change it in place."""
-    from torch._inductor.compile_fx import compile_fx_inner
-
     compile_graph = functools.partial(
-        _compile_batched if ctx.config.batch_cpu_kernels else compile_fx_inner,
+        _compile_batched if ctx.config.batch_cpu_kernels else _compile_unbatched,
         is_backward=ctx.phase == "backward", is_inference=ctx.phase == "inference", graph_id=ctx.graph_id,
     )  # fmt: skip
     whole = passes.compiled_whole_reason(gm, ctx)
@@ -374,13 +372,22 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassCon
 
 
 def _compile_batched(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
-    """Inductor's compile_fx_inner with the compiled module's C++ kernels built as one library
+    """_compile_unbatched with the compiled module's C++ kernels built as one library
     (Config.batch_cpu_kernels)."""
-    from torch._inductor.compile_fx import compile_fx_inner
-
     from . import cpu_kernel_batching  # imports Inductor's code cache: only once the backend compiles
 
     with cpu_kernel_batching.batched():
+        return _compile_unbatched(gm, example_inputs, **kwargs)
+
+
+def _compile_unbatched(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
+    """Inductor's compile_fx_inner, its C++ code generation asking sympy less (cpp_index_strides:
+    the same kernels)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from . import cpp_index_strides  # imports Inductor's C++ code generation: only once the backend compiles
+
+    with cpp_index_strides.plain_strides():
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 

@@ -68,6 +68,7 @@ PRIVATE_APIS: Mapping[str, tuple[str, ...]] = {
 LAZY_PRIVATE_APIS: Mapping[str, tuple[str, ...]] = {
     "torch._inductor.async_compile": ("AsyncCompile", "get_compile_threads"),
     "torch._inductor.codecache": ("CodeCacheFuture", "CppPythonBindingsCodeCache"),
+    "torch._inductor.codegen.cpp": ("stride_at_vec_range",),
     "torch._inductor.compile_fx": ("compile_fx", "compile_fx_inner", "partition_fn"),
     "torch._inductor.decomposition": ("select_decomp_table",),
     "torch._inductor.utils": ("clear_on_fresh_cache",),

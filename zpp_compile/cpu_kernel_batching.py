@@ -26,46 +26,35 @@ and RuntimeError otherwise (Inductor's own bindings raise RuntimeError for both)
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import logging
 import re
-import threading
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, ContextManager, NamedTuple, Optional
 
 from torch._inductor.async_compile import AsyncCompile, get_compile_threads
 from torch._inductor.codecache import CodeCacheFuture, CppPythonBindingsCodeCache
 from torch._inductor.utils import clear_on_fresh_cache
 
 from .codegen.quantize import ceil_div
+from .inductor_patching import ScopedPatch
 
 log = logging.getLogger(__name__)
 
-_ACTIVE = contextvars.ContextVar("zpp_compile_batch_cpu_kernels", default=False)
 _PREFIX = "#include <torch/csrc/inductor/cpp_prefix.h>"
 _ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(')
 _SCALAR_ARGS = ("int64_t", "uintptr_t", "float")  # besides pointers: what Inductor's bindings read
 # The pragmas Inductor writes inside its kernels; any other (a file-level `GCC optimize`) would
 # carry into every later kernel of a library.
 _KERNEL_PRAGMA = re.compile(r"#pragma\s+(omp\b|GCC\s+ivdep\b|GCC\s+unroll\b|unroll\b)")
-_ORIGINAL: dict[str, Callable[..., Any]] = {}
-_INSTALLING = threading.Lock()
 # A module of more kernels than this is built as several libraries, side by side in Inductor's
 # compile workers. A number of kernels, not of workers: every host cuts a module alike, so the
 # libraries a cache folder (or a mega-cache) holds serve any host.
 MAX_KERNELS_PER_LIBRARY = 32
 
 
-@contextlib.contextmanager
-def batched() -> Iterator[None]:
+def batched() -> ContextManager[None]:
     """Within: the C++ kernels of each graph module Inductor loads are built as one library."""
-    _install()
-    token = _ACTIVE.set(True)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return _PATCH.scope()
 
 
 def namespaced_kernel(source: str, argtypes: list[str], index: int) -> Optional[str]:
@@ -258,14 +247,14 @@ PyMODINIT_FUNC PyInit_kernels(void) {
 
 
 def _cpp_pybinding(self: AsyncCompile, argtypes: list[str], source_code: str) -> Any:
-    if not _ACTIVE.get():
-        return _ORIGINAL["cpp_pybinding"](self, argtypes, source_code)
+    if not _PATCH.active():
+        return _PATCH.original("cpp_pybinding")(self, argtypes, source_code)
     batch = self.__dict__.get("_zpp_batch")
     if batch is None or batch.entries is not None:  # a module's first kernel, or one after its wait
         batch = self.__dict__["_zpp_batch"] = _Batch()
     index = batch.add(argtypes, source_code)
     if index is None:
-        return _ORIGINAL["cpp_pybinding"](self, argtypes, source_code)
+        return _PATCH.original("cpp_pybinding")(self, argtypes, source_code)
     return PendingKernel(batch, index)
 
 
@@ -273,14 +262,10 @@ def _wait(self: AsyncCompile, scope: dict[str, Any]) -> None:
     for name, value in list(scope.items()):
         if isinstance(value, PendingKernel):
             scope[name] = value.result()
-    _ORIGINAL["wait"](self, scope)
+    _PATCH.original("wait")(self, scope)
 
 
-def _install() -> None:
-    """Route AsyncCompile's C++ kernels through this module (outside `batched()` nothing changes)."""
-    with _INSTALLING:  # two threads installing at once would keep the patched function as the original
-        if _ORIGINAL:
-            return
-        _ORIGINAL.update(cpp_pybinding=AsyncCompile.cpp_pybinding, wait=AsyncCompile.wait)
-        AsyncCompile.cpp_pybinding = _cpp_pybinding  # type: ignore[method-assign]
-        AsyncCompile.wait = _wait  # type: ignore[method-assign]
+# Outside batched() AsyncCompile builds as before.
+_PATCH = ScopedPatch(
+    "zpp_compile_batch_cpu_kernels", lambda: AsyncCompile, {"cpp_pybinding": _cpp_pybinding, "wait": _wait}
+)
