@@ -62,8 +62,8 @@ def test_affine_stride_reads_coefficients_and_declines_the_rest():
 
 def _simplify_calls(monkeypatch, fn, *args, fresh: bool = True) -> int:
     """sympy.simplify calls while answering `fn(*args)`; `fresh`: Inductor's caches emptied first."""
-    for cached in (sizevars.stride_at_vec_range, sizevars.simplify_index_in_vec_range, sizevars.stride_at):
-        if fresh:
+    if fresh:
+        for cached in (sizevars.stride_at_vec_range, sizevars.simplify_index_in_vec_range, sizevars.stride_at):
             cached.cache_clear()
     calls = 0
     simplify = sympy.simplify

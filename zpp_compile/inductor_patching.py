@@ -34,6 +34,8 @@ class ScopedPatch:
         return self._originals[attribute]
 
     def install(self) -> None:
+        if self._originals:  # installed: every replaced call asks, so no lock on this path
+            return
         # Under the lock: two threads installing at once would keep a replacement as the original.
         with self._installing:
             if self._originals:
