@@ -164,12 +164,12 @@ class BatchNormNet(ConvNet):
         return self.head(h.mean(dim=(2, 3)))
 
 
-def hf_gpt2(dropout: float = 0.0) -> nn.Module:
+def hf_gpt2(dropout: float = 0.0, vocab: int = 64, width: int = 32) -> nn.Module:
     """A tiny Hugging Face GPT-2 from a config (nothing downloaded); GPT-2's default dropout is 0.1."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab, n_positions=32, n_embd=width, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
     )  # fmt: skip
     return GPT2LMHeadModel(config)
@@ -216,7 +216,7 @@ def hf_llama() -> nn.Module:
 
 
 HF_MODELS = ("hf_gpt2", "hf_llama")  # without dropout: they train like their unsharded copies
-TOKEN_MODELS = ("gpt", "break_gpt", *HF_MODELS, "hf_gpt2_dropout")
+TOKEN_MODELS = ("gpt", "break_gpt", *HF_MODELS, "hf_gpt2_dropout", "hf_gpt2_uneven")
 
 
 def build(name: str) -> nn.Module:
@@ -234,6 +234,8 @@ def build(name: str) -> nn.Module:
         "random_mlp": RandomOpsMLP,
         "hf_gpt2": hf_gpt2,
         "hf_gpt2_dropout": lambda: hf_gpt2(dropout=0.1),
+        # 65 x 30 = 1950 embedding elements: 4 ranks shard them padded, 2 evenly.
+        "hf_gpt2_uneven": lambda: hf_gpt2(vocab=65, width=30),
         "hf_llama": hf_llama,
     }
     return models[name]()

@@ -84,6 +84,29 @@ def test_five_adamw_steps_match_unsharded_training(pools, world, mode, name):
     _assert_close(pools(world).run(train_vs_reference, name, mode, 5))
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_tied_embedding_of_hugging_face_gpt2_trains_like_unsharded(pools, world):
+    """The tied embedding's two gradients are summed by fold_scatter_grads under Inductor: into
+    the head's gradient, padded first when the shards are (65 x 30 elements)."""
+    results = pools(world).run(_train_uneven_gpt2)
+    # Gradients only: the key projection's bias has a zero gradient in exact arithmetic (softmax
+    # ignores a shift shared by every key), and Adam scales its rounding noise up to whole steps.
+    _assert_close([{k: e for k, e in errors.items() if " grad " in k} for errors, _ in results])
+    for _, backward in results:
+        assert ("aten.full.default", [65, 30]) not in backward  # no zero-filled embedding-sized buffer
+        assert ("aten.add.Tensor", [65, 30]) not in backward
+        folded = [shape for op, shape in backward if op == "aten.index_put.default" and shape[0] > 65 * 30]
+        assert folded or ("aten._unsafe_masked_index_put_accumulate.default", [65, 30]) in backward
+
+
+def _train_uneven_gpt2() -> tuple[dict[str, float], list[tuple[str, list[int]]]]:
+    """The errors of train_vs_reference, and the compiled backward's (op, output shape) list."""
+    errors = train_vs_reference("hf_gpt2_uneven", "inductor", 3)
+    (record,) = [r for r in zpp_compile.compiled_graphs() if r.backward is not None]
+    nodes = [n for n in record.backward.graph.nodes if n.op == "call_function"]
+    return errors, [(str(n.target), list(getattr(n.meta.get("val"), "shape", []))) for n in nodes]
+
+
 @pytest.mark.parametrize("mode", ["eager", "inductor"])
 def test_gradient_accumulation_matches_reference(pools, mode):
     _assert_close(pools(2).run(train_vs_reference, "mlp", mode, 3, 3))

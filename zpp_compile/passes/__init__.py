@@ -13,6 +13,7 @@ from .bucket_collectives import bucket_collectives
 from .buckets import compiled_whole_reason, cuts_at_blocks
 from .context import PassContext
 from .dedupe_gathers import dedupe_gathers
+from .fold_scatter_grads import fold_scatter_grads
 from .graph_utils import deferred_recompile
 from .hpz import hpz
 from .lower_gather import lower_gather
@@ -48,6 +49,7 @@ BACKWARD_PASSES: list[GraphPass] = [
     lower_replicated,
     qgz,
     lower_reduce,
+    fold_scatter_grads,
     *SCHEDULING_PASSES,
 ]
 
@@ -99,6 +101,7 @@ __all__ = [
     "compiled_whole_reason",
     "cuts_at_blocks",
     "dedupe_gathers",
+    "fold_scatter_grads",
     "hpz",
     "kept_for_backward",
     "lower_gather",

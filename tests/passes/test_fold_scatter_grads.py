@@ -1,0 +1,121 @@
+"""fold_scatter_grads: a tied embedding's gradient rows are added into the head's gradient, not
+into a zero-filled whole-weight buffer that is then summed (and padded)."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.utils import run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import zpp_compile  # noqa: F401
+from zpp_compile.passes import fold_scatter_grads
+
+from .helpers import context, targets
+
+aten = torch.ops.aten
+VOCAB, WIDTH = 50, 8
+
+
+def tied_grad(pad: int, padding_idx: int = -1):
+    """The head's gradient plus the embedding's (Inductor's decomposition: a masked scatter into
+    zeros), flattened and zero-padded by `pad` as lower_reduce leaves it (pad 0: not flattened)."""
+
+    def grad(head, index, rows):
+        summed = head + aten.embedding_dense_backward(rows, index, VOCAB, padding_idx, False)
+        return F.pad(summed.view(-1), (0, pad)) if pad else summed
+
+    return grad
+
+
+def backward(group: str):
+    """The backward's context with Inductor's decompositions, as the backend passes them."""
+    return dataclasses.replace(context(group, phase="backward"), decompositions=select_decomp_table())
+
+
+def traced(fn, *args):
+    return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+
+
+def example(repeats: bool = True):
+    torch.manual_seed(0)
+    index = torch.randint(0, VOCAB, (2, 12)) if repeats else torch.randperm(VOCAB)[:24].view(2, 12)
+    return torch.randn(VOCAB, WIDTH), index, torch.randn(2, 12, WIDTH)
+
+
+@pytest.mark.parametrize("pad", [0, 13])
+def test_scatter_is_folded_into_the_sum(group_of_one, pad):
+    args = example()
+    gm = traced(tied_grad(pad), *args)
+    assert aten._unsafe_masked_index_put_accumulate.default in targets(gm)  # the pattern is really there
+    expected = gm(*args)
+
+    gm = fold_scatter_grads(gm, backward(group_of_one))
+    after = targets(gm)
+    assert aten.full.default not in after
+    assert not [n for n in gm.graph.nodes if n.target is aten.add.Tensor and n.meta["val"].shape == (VOCAB, WIDTH)]
+    assert (aten.index_put.default in after) == bool(pad)
+    assert (aten._unsafe_masked_index_put_accumulate.default in after) == (not pad)
+    got = gm(*args)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected)  # rows the batch hits twice round differently
+
+
+@pytest.mark.parametrize("pad", [0, 13])
+def test_rows_hit_once_and_masked_rows_are_bitwise_equal(group_of_one, pad):
+    head, index, rows = example(repeats=False)
+    index[0, 0] = 7  # the padding index: masked, adds nothing
+    gm = traced(tied_grad(pad, padding_idx=7), head, index, rows)
+    expected = gm(head, index, rows)
+    got = fold_scatter_grads(gm, backward(group_of_one))(head, index, rows)
+    assert torch.equal(got, expected)
+
+
+def test_inductor_holds_one_whole_weight_buffer_less(group_of_one):
+    """What the pass is for: Inductor's code for the padded sum allocates one whole-weight buffer
+    (the padded result) instead of two (the zero-filled scatter and the padded sum)."""
+    args = example()
+
+    def whole_weight_buffers(fold: bool) -> int:
+        def backend(gm, inputs):
+            from torch._inductor.compile_fx import compile_fx
+
+            def inner(gm, inputs, **kwargs):
+                if fold:
+                    gm = fold_scatter_grads(gm, backward(group_of_one))
+                from torch._inductor.compile_fx import compile_fx_inner
+
+                return compile_fx_inner(gm, inputs, **kwargs)
+
+            return compile_fx(gm, inputs, inner_compile=inner)
+
+        torch._dynamo.reset()
+        # Uncached: AOTAutograd's cache key does not see inner_compile, so the second call would
+        # read the first one's kernels back.
+        with torch._functorch.config.patch(enable_autograd_cache=False), inductor_config.patch(fx_graph_cache=False):
+            _, (code,) = run_and_get_code(torch.compile(tied_grad(13), backend=backend), *args)
+        sizes = re.findall(r"empty_strided_cpu\(\((\d+), ?(\d*)\)?", code)
+        return sum(1 for a, b in sizes if int(a) * int(b or 1) >= VOCAB * WIDTH)
+
+    assert whole_weight_buffers(fold=False) == 2
+    assert whole_weight_buffers(fold=True) == 1
+
+
+def test_sums_it_cannot_prove_are_left_alone(group_of_one):
+    head, index, rows = example()
+
+    def scaled(head, index, rows):  # alpha: not a plain sum
+        return torch.add(head, aten.embedding_dense_backward(rows, index, VOCAB, -1, False), alpha=2)
+
+    def zeros_read_twice(head, index, rows):  # the scatter's result is read elsewhere too
+        scattered = aten.embedding_dense_backward(rows, index, VOCAB, -1, False)
+        return head + scattered, scattered.sum()
+
+    for fn in (scaled, zeros_read_twice):
+        gm = traced(fn, head, index, rows)
+        code = gm.code
+        assert fold_scatter_grads(gm, backward(group_of_one)).code == code, fn.__name__

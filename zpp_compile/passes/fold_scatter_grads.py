@@ -1,0 +1,139 @@
+"""fold_scatter_grads: add an embedding's gradient rows straight into the gradient they are summed with.
+
+A tied weight (the token embedding that is also the LM head, in most language models) gets two
+gradients in the backward, and autograd adds them. The embedding's is a scatter of the batch's
+rows into a zero-filled buffer of the whole weight, and the reduction then pads the sum to whole
+shards: three whole-weight tensors at once (the head's gradient, the zero-filled buffer and the
+padded sum; 441 MB for GPT-2's 50257 x 768 embedding, the backward's peak under Inductor).
+Scattering the rows into the head's gradient, padded first when the reduction pads, holds two.
+
+Before (lower_reduce has run):
+         z = aten.full([V, C], 0)
+         s = aten._unsafe_masked_index_put_accumulate(z, mask, [idx], rows)     rows: [*idx.shape, C]
+         g = aten.add(other, s)                                                (either order)
+         flat = aten.constant_pad_nd(aten.view(g, [-1]), [0, pad])             (when the reduction pads)
+After, padded:
+         flat = aten.index_put(pad(other.view(-1)), [row(idx) * C + arange(C)], where(mask, rows, 0), True)
+After, not padded (or the gradient has other readers, as under qgZ's traced reduction):
+         g = aten._unsafe_masked_index_put_accumulate(other, mask, [idx], rows)
+
+The sum is the same up to rounding: a row the batch hits k times is added to `other` one token at
+a time ((other + r1) + r2 ...) instead of as its own sum first (other + (r1 + r2 ...)); a row hit
+once is bitwise the same. Only that exact pattern is rewritten: a zero fill read by nothing else, a
+scatter whose only reader is the add, one index tensor into a 2-D weight, both operands of the
+add's shape and dtype (no broadcast, no type promotion) and no `alpha`. Indices keep the masked
+op's meaning: clamped to [-V, V - 1], negative ones counted from the end, masked rows add zero.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor
+
+from .context import PassContext
+from .graph_utils import aten, calls, finish, inline_traced, insert_call, replace_node, tensor_val
+
+log = logging.getLogger(__name__)
+
+_SCATTER = aten._unsafe_masked_index_put_accumulate.default
+
+
+def fold_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    folded = 0
+    for add in list(calls(gm.graph, aten.add.Tensor)):
+        match = _scatter_operand(add)
+        if match is None:
+            continue
+        scatter, other = match
+        zeros = scatter.args[0]
+        padding = _padding_of(add)
+        if padding is not None:
+            _fold_padded(gm.graph, scatter, other, padding, ctx.decompositions)
+        else:
+            with gm.graph.inserting_before(add):
+                summed = insert_call(gm.graph, _SCATTER, other, *scatter.args[1:])
+            summed.meta.update({k: v for k, v in add.meta.items() if k != "val"})
+            replace_node(add, summed)
+        gm.graph.erase_node(scatter)
+        gm.graph.erase_node(zeros)
+        folded += 1
+    if not folded:
+        log.debug("fold_scatter_grads: %s adds no scatter into zeros; graph unchanged", ctx.label)
+        return gm
+    log.debug("fold_scatter_grads: %s: %d scatters added into the gradient they were summed with", ctx.label, folded)
+    return finish(gm)
+
+
+def scatter_rows_padded(other: Tensor, mask: Tensor, index: Tensor, rows: Tensor, pad: int) -> Tensor:
+    """`other` flattened and zero-padded by `pad`, plus `rows` scattered into it as
+    aten._unsafe_masked_index_put_accumulate(other, mask, [index], rows) would add them."""
+    vocab, width = other.shape
+    row = index.clamp(-vocab, vocab - 1)
+    row = torch.where(row < 0, row + vocab, row)
+    at = row.unsqueeze(-1) * width + torch.arange(width, device=other.device)
+    flat = F.pad(other.reshape(-1), (0, pad))
+    return flat.index_put((at,), torch.where(mask, rows, 0), accumulate=True)
+
+
+def _fold_padded(
+    graph: fx.Graph, scatter: fx.Node, other: fx.Node, padding: tuple[fx.Node, fx.Node, int], decompositions: dict
+) -> None:
+    view, padded, pad = padding
+    _, mask, (index,), rows = scatter.args
+    fn = functools.partial(scatter_rows_padded, pad=pad)
+    with graph.inserting_before(padded):
+        flat = inline_traced(graph, fn, [other, mask, index, rows], decompositions)
+    replace_node(padded, flat)
+    add = view.args[0]
+    graph.erase_node(view)
+    graph.erase_node(add)
+
+
+def _scatter_operand(add: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(the scatter into zeros, the other operand) when `add` sums one with a same-shaped tensor."""
+    if add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+        return None
+    for scatter, other in (add.args, tuple(reversed(add.args))):
+        if _is_scatter_into_zeros(scatter) and isinstance(other, fx.Node) and _same_geometry(other, scatter, add):
+            return scatter, other
+    return None
+
+
+def _is_scatter_into_zeros(node: object) -> bool:
+    if not (isinstance(node, fx.Node) and node.target is _SCATTER and len(node.users) == 1):
+        return False
+    zeros, mask, indices, rows = node.args
+    if not (len(indices) == 1 and isinstance(indices[0], fx.Node) and tensor_val(zeros).dim() == 2):
+        return False
+    index_shape = tuple(tensor_val(indices[0]).shape)
+    width = tensor_val(zeros).shape[1]
+    return (
+        tuple(tensor_val(rows).shape) == (*index_shape, width)
+        and zeros.target is aten.full.default
+        and zeros.args[1] == 0
+        and len(zeros.users) == 1
+    )
+
+
+def _same_geometry(other: fx.Node, scatter: fx.Node, add: fx.Node) -> bool:
+    vals = [tensor_val(n) for n in (other, scatter, add)]
+    return all(v.shape == vals[0].shape and v.dtype == vals[0].dtype for v in vals)
+
+
+def _padding_of(add: fx.Node) -> Optional[tuple[fx.Node, fx.Node, int]]:
+    """(view, pad node, pad) when the sum's only reader flattens it for a zero-padded reduction."""
+    (view,) = add.users if len(add.users) == 1 else (None,)
+    if view is None or view.target is not aten.view.default or list(view.args[1]) != [-1] or len(view.users) != 1:
+        return None
+    (padded,) = view.users
+    if padded.target is not aten.constant_pad_nd.default or len(padded.args[1]) != 2 or padded.args[1][0] != 0:
+        return None
+    if (padded.args[2] if len(padded.args) > 2 else padded.kwargs.get("value", 0)) != 0:
+        return None
+    return view, padded, padded.args[1][1]
