@@ -234,7 +234,7 @@ def build(name: str) -> nn.Module:
         "random_mlp": RandomOpsMLP,
         "hf_gpt2": hf_gpt2,
         "hf_gpt2_dropout": lambda: hf_gpt2(dropout=0.1),
-        # 65 x 30 = 1950 embedding elements: 4 ranks shard them padded, 2 evenly.
+        # 65 embedding rows: sharded by rows, padded at 2 ranks and at 4.
         "hf_gpt2_uneven": lambda: hf_gpt2(vocab=65, width=30),
         "hf_llama": hf_llama,
     }

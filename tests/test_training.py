@@ -87,7 +87,7 @@ def test_five_adamw_steps_match_unsharded_training(pools, world, mode, name):
 @pytest.mark.parametrize("world", [2, 4])
 def test_tied_embedding_of_hugging_face_gpt2_trains_like_unsharded(pools, world):
     """The tied embedding's two gradients are summed by fold_scatter_grads under Inductor: into
-    the head's gradient, padded first when the shards are (65 x 30 elements)."""
+    the head's gradient, padded first to whole shards (65 rows of 30)."""
     results = pools(world).run(_train_uneven_gpt2)
     # Gradients only: the key projection's bias has a zero gradient in exact arithmetic (softmax
     # ignores a shift shared by every key), and Adam scales its rounding noise up to whole steps.
@@ -95,8 +95,8 @@ def test_tied_embedding_of_hugging_face_gpt2_trains_like_unsharded(pools, world)
     for _, backward in results:
         assert ("aten.full.default", [65, 30]) not in backward  # no zero-filled embedding-sized buffer
         assert ("aten.add.Tensor", [65, 30]) not in backward
-        folded = [shape for op, shape in backward if op == "aten.index_put.default" and shape[0] > 65 * 30]
-        assert folded or ("aten._unsafe_masked_index_put_accumulate.default", [65, 30]) in backward
+        # the rows scattered into the head's gradient padded to whole shards (66 or 68 rows)
+        assert [shape for op, shape in backward if op == "aten.index_put.default" and shape[0] > 65]
 
 
 def _train_uneven_gpt2() -> tuple[dict[str, float], list[tuple[str, list[int]]]]:

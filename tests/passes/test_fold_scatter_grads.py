@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import zpp_compile  # noqa: F401
 from zpp_compile.passes import fold_scatter_grads
+from zpp_compile.passes.fold_scatter_grads import scatter_rows_padded
 
 from .helpers import context, targets
 
@@ -21,12 +22,13 @@ aten = torch.ops.aten
 VOCAB, WIDTH = 50, 8
 
 
-def tied_grad(pad: int, padding_idx: int = -1):
+def tied_grad(pad: int, padding_idx: int = -1, scatter_first: bool = False):
     """The head's gradient plus the embedding's (Inductor's decomposition: a masked scatter into
     zeros), flattened and zero-padded by `pad` as lower_reduce leaves it (pad 0: not flattened)."""
 
     def grad(head, index, rows):
-        summed = head + aten.embedding_dense_backward(rows, index, VOCAB, padding_idx, False)
+        scattered = aten.embedding_dense_backward(rows, index, VOCAB, padding_idx, False)
+        summed = scattered + head if scatter_first else head + scattered
         return F.pad(summed.view(-1), (0, pad)) if pad else summed
 
     return grad
@@ -47,10 +49,11 @@ def example(repeats: bool = True):
     return torch.randn(VOCAB, WIDTH), index, torch.randn(2, 12, WIDTH)
 
 
-@pytest.mark.parametrize("pad", [0, 13])
-def test_scatter_is_folded_into_the_sum(group_of_one, pad):
+@pytest.mark.parametrize("scatter_first", [False, True])
+@pytest.mark.parametrize("pad", [0, 16, 13], ids=["unpadded", "whole_rows", "part_of_a_row"])
+def test_scatter_is_folded_into_the_sum(group_of_one, pad, scatter_first):
     args = example()
-    gm = traced(tied_grad(pad), *args)
+    gm = traced(tied_grad(pad, scatter_first=scatter_first), *args)
     assert aten._unsafe_masked_index_put_accumulate.default in targets(gm)  # the pattern is really there
     expected = gm(*args)
 
@@ -65,7 +68,7 @@ def test_scatter_is_folded_into_the_sum(group_of_one, pad):
     torch.testing.assert_close(got, expected)  # rows the batch hits twice round differently
 
 
-@pytest.mark.parametrize("pad", [0, 13])
+@pytest.mark.parametrize("pad", [0, 16, 13])
 def test_rows_hit_once_and_masked_rows_are_bitwise_equal(group_of_one, pad):
     head, index, rows = example(repeats=False)
     index[0, 0] = 7  # the padding index: masked, adds nothing
@@ -105,6 +108,31 @@ def test_inductor_holds_one_whole_weight_buffer_less(group_of_one):
     assert whole_weight_buffers(fold=True) == 1
 
 
+@pytest.mark.parametrize("pad", [16, 13])
+def test_padded_form_adds_as_the_masked_scatter_does(pad):
+    """scatter_rows_padded against the op it stands for, with what an embedding never sends:
+    negative and out-of-range indices, and a mask of its own."""
+    torch.manual_seed(1)
+    head, rows = torch.randn(VOCAB, WIDTH), torch.randn(3, 7, WIDTH)
+    index = torch.randint(-2 * VOCAB, 2 * VOCAB, (3, 7))
+    mask = torch.rand(3, 7, 1) > 0.3
+    expected = F.pad(aten._unsafe_masked_index_put_accumulate(head, mask, [index], rows).view(-1), (0, pad))
+    torch.testing.assert_close(scatter_rows_padded(head, mask, index, rows, pad), expected)
+
+
+def test_symbolic_shapes_take_the_unpadded_form(group_of_one):
+    """Under dynamic shapes the tokens' count is a SymInt: the padded form (traced torch code) is
+    not used, the scatter still goes into the head's gradient."""
+    args = example()
+    gm = make_fx(tied_grad(13), decomposition_table=select_decomp_table(), tracing_mode="symbolic")(*args)
+    expected = gm(*args)
+    gm = fold_scatter_grads(gm, backward(group_of_one))
+    after = targets(gm)
+    assert aten.full.default not in after and aten.index_put.default not in after
+    assert aten._unsafe_masked_index_put_accumulate.default in after
+    torch.testing.assert_close(gm(*args), expected)
+
+
 def test_sums_it_cannot_prove_are_left_alone(group_of_one):
     head, index, rows = example()
 
@@ -115,7 +143,10 @@ def test_sums_it_cannot_prove_are_left_alone(group_of_one):
         scattered = aten.embedding_dense_backward(rows, index, VOCAB, -1, False)
         return head + scattered, scattered.sum()
 
-    for fn in (scaled, zeros_read_twice):
+    def strided_head(head, index, rows):  # the sum's layout is not the head gradient's
+        return aten.embedding_dense_backward(rows, index, VOCAB, -1, False) + head.t().contiguous().t()
+
+    for fn in (scaled, zeros_read_twice, strided_head):
         gm = traced(fn, head, index, rows)
         code = gm.code
         assert fold_scatter_grads(gm, backward(group_of_one)).code == code, fn.__name__

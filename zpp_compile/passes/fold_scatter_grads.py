@@ -7,22 +7,25 @@ shards: three whole-weight tensors at once (the head's gradient, the zero-filled
 padded sum; 441 MB for GPT-2's 50257 x 768 embedding, the backward's peak under Inductor).
 Scattering the rows into the head's gradient, padded first when the reduction pads, holds two.
 
-Before (lower_reduce has run):
+Before (lower_reduce or qgz has run):
          z = aten.full([V, C], 0)
          s = aten._unsafe_masked_index_put_accumulate(z, mask, [idx], rows)     rows: [*idx.shape, C]
          g = aten.add(other, s)                                                (either order)
-         flat = aten.constant_pad_nd(aten.view(g, [-1]), [0, pad])             (when the reduction pads)
-After, padded:
-         flat = aten.index_put(pad(other.view(-1)), [row(idx) * C + arange(C)], where(mask, rows, 0), True)
-After, not padded (or the gradient has other readers, as under qgZ's traced reduction):
+         flat = aten.constant_pad_nd(aten.view(g, [-1]), [0, pad])             (the reduction's padding)
+After, padded (static shapes):
+         flat = aten.index_put(pad(other, pad // C rows), [row(idx)], where(mask, rows, 0), True).view(-1)
+         (a pad of part of a row: into the flat copy, at row(idx) * C + arange(C))
+After, not padded (the sum has other readers, or shapes are symbolic):
          g = aten._unsafe_masked_index_put_accumulate(other, mask, [idx], rows)
 
 The sum is the same up to rounding: a row the batch hits k times is added to `other` one token at
 a time ((other + r1) + r2 ...) instead of as its own sum first (other + (r1 + r2 ...)); a row hit
 once is bitwise the same. Only that exact pattern is rewritten: a zero fill read by nothing else, a
 scatter whose only reader is the add, one index tensor into a 2-D weight, both operands of the
-add's shape and dtype (no broadcast, no type promotion) and no `alpha`. Indices keep the masked
-op's meaning: clamped to [-V, V - 1], negative ones counted from the end, masked rows add zero.
+add's shape, strides and dtype (no broadcast, no type promotion, no relayout) and no `alpha`.
+Indices keep the masked op's meaning: clamped to [-V, V - 1], negative ones counted from the end,
+masked rows add zero. qgZ's traced reduction pads the gradient the same way, so it gets the
+padded form too.
 """
 
 from __future__ import annotations
@@ -37,7 +40,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .context import PassContext
-from .graph_utils import aten, calls, finish, inline_traced, insert_call, replace_node, tensor_val
+from .graph_utils import (
+    aten,
+    calls,
+    finish,
+    has_static_geometry,
+    inline_traced,
+    insert_call,
+    replace_node,
+    tensor_val,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +65,12 @@ def fold_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         scatter, other = match
         zeros = scatter.args[0]
         padding = _padding_of(add)
-        if padding is not None:
+        if padding is not None and all(has_static_geometry(tensor_val(n)) for n in (other, *_scatter_inputs(scatter))):
             _fold_padded(gm.graph, scatter, other, padding, ctx.decompositions)
         else:
             with gm.graph.inserting_before(add):
                 summed = insert_call(gm.graph, _SCATTER, other, *scatter.args[1:])
-            summed.meta.update({k: v for k, v in add.meta.items() if k != "val"})
+            summed.meta.update({k: v for k, v in add.meta.items() if k not in ("val", "tensor_meta")})
             replace_node(add, summed)
         gm.graph.erase_node(scatter)
         gm.graph.erase_node(zeros)
@@ -71,28 +83,36 @@ def fold_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def scatter_rows_padded(other: Tensor, mask: Tensor, index: Tensor, rows: Tensor, pad: int) -> Tensor:
-    """`other` flattened and zero-padded by `pad`, plus `rows` scattered into it as
+    """`other` flattened and zero-padded by `pad` elements, plus `rows` scattered into it as
     aten._unsafe_masked_index_put_accumulate(other, mask, [index], rows) would add them."""
     vocab, width = other.shape
     row = index.clamp(-vocab, vocab - 1)
     row = torch.where(row < 0, row + vocab, row)
+    values = torch.where(mask, rows, 0)
+    if pad % width == 0:  # whole rows (the shards are cut by rows): index rows, not elements
+        padded = F.pad(other, (0, 0, 0, pad // width))
+        return padded.index_put((row,), values, accumulate=True).view(-1)
     at = row.unsqueeze(-1) * width + torch.arange(width, device=other.device)
-    flat = F.pad(other.reshape(-1), (0, pad))
-    return flat.index_put((at,), torch.where(mask, rows, 0), accumulate=True)
+    return F.pad(other.reshape(-1), (0, pad)).index_put((at,), values, accumulate=True)
 
 
 def _fold_padded(
     graph: fx.Graph, scatter: fx.Node, other: fx.Node, padding: tuple[fx.Node, fx.Node, int], decompositions: dict
 ) -> None:
     view, padded, pad = padding
-    _, mask, (index,), rows = scatter.args
     fn = functools.partial(scatter_rows_padded, pad=pad)
     with graph.inserting_before(padded):
-        flat = inline_traced(graph, fn, [other, mask, index, rows], decompositions)
+        flat = inline_traced(graph, fn, [other, *_scatter_inputs(scatter)], decompositions)
     replace_node(padded, flat)
     add = view.args[0]
     graph.erase_node(view)
     graph.erase_node(add)
+
+
+def _scatter_inputs(scatter: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """(mask, index, rows) of a masked scatter."""
+    _, mask, (index,), rows = scatter.args
+    return mask, index, rows
 
 
 def _scatter_operand(add: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
@@ -122,8 +142,9 @@ def _is_scatter_into_zeros(node: object) -> bool:
 
 
 def _same_geometry(other: fx.Node, scatter: fx.Node, add: fx.Node) -> bool:
+    """Same shape, strides and dtype: the scatter into `other` then has the sum's layout."""
     vals = [tensor_val(n) for n in (other, scatter, add)]
-    return all(v.shape == vals[0].shape and v.dtype == vals[0].dtype for v in vals)
+    return all(v.shape == vals[0].shape and v.stride() == vals[0].stride() and v.dtype == vals[0].dtype for v in vals)
 
 
 def _padding_of(add: fx.Node) -> Optional[tuple[fx.Node, fx.Node, int]]:
@@ -134,6 +155,8 @@ def _padding_of(add: fx.Node) -> Optional[tuple[fx.Node, fx.Node, int]]:
     (padded,) = view.users
     if padded.target is not aten.constant_pad_nd.default or len(padded.args[1]) != 2 or padded.args[1][0] != 0:
         return None
-    if (padded.args[2] if len(padded.args) > 2 else padded.kwargs.get("value", 0)) != 0:
+    pad = padded.args[1][1]
+    value = padded.args[2] if len(padded.args) > 2 else padded.kwargs.get("value", 0)
+    if type(pad) is not int or pad < 0 or value != 0:
         return None
-    return view, padded, padded.args[1][1]
+    return view, padded, pad

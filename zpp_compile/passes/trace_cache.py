@@ -64,9 +64,10 @@ def cached_trace(
 
 
 def _trace_key(fn: Callable, fake_args: list, decompositions: Optional[dict]) -> Optional[tuple]:
-    """What a trace depends on, or None where that cannot be told (not a functools.partial)."""
-    if not isinstance(fn, functools.partial):
-        return None
+    """What a trace depends on, or None where that cannot be told (not a functools.partial, or
+    symbolic shapes)."""
+    if not isinstance(fn, functools.partial) or any(map(_symbolic, fake_args)):
+        return None  # a SymInt shape cannot be hashed, and a trace for it would not be reused
     inputs = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in fake_args)
     return fn.func, repr(fn.args), repr(sorted(fn.keywords.items())), inputs, _decompositions_digest(decompositions)
 
