@@ -78,7 +78,8 @@ def test_rows_hit_once_and_masked_rows_are_bitwise_equal(group_of_one, pad):
     assert torch.equal(got, expected)
 
 
-def test_inductor_holds_one_whole_weight_buffer_less(group_of_one):
+@pytest.mark.parametrize("pad", [16, 13], ids=["whole_rows", "part_of_a_row"])
+def test_inductor_holds_one_whole_weight_buffer_less(group_of_one, pad):
     """What the pass is for: Inductor's code for the padded sum allocates one whole-weight buffer
     (the padded result) instead of two (the zero-filled scatter and the padded sum)."""
     args = example()
@@ -100,7 +101,7 @@ def test_inductor_holds_one_whole_weight_buffer_less(group_of_one):
         # Uncached: AOTAutograd's cache key does not see inner_compile, so the second call would
         # read the first one's kernels back.
         with torch._functorch.config.patch(enable_autograd_cache=False), inductor_config.patch(fx_graph_cache=False):
-            _, (code,) = run_and_get_code(torch.compile(tied_grad(13), backend=backend), *args)
+            _, (code,) = run_and_get_code(torch.compile(tied_grad(pad), backend=backend), *args)
         sizes = re.findall(r"empty_strided_cpu\(\((\d+), ?(\d*)\)?", code)
         return sum(1 for a, b in sizes if int(a) * int(b or 1) >= VOCAB * WIDTH)
 
