@@ -47,6 +47,7 @@ from .graph_utils import (
     has_static_geometry,
     inline_traced,
     insert_call,
+    is_call,
     replace_node,
     tensor_val,
 )
@@ -63,15 +64,12 @@ def fold_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if match is None:
             continue
         scatter, other = match
-        zeros = scatter.args[0]
         padding = _padding_of(add)
-        if padding is not None and all(has_static_geometry(tensor_val(n)) for n in (other, *_scatter_inputs(scatter))):
+        if padding is not None and _static(other, *_scatter_inputs(scatter)):
             _fold_padded(gm.graph, scatter, other, padding, ctx.decompositions)
         else:
-            with gm.graph.inserting_before(add):
-                summed = insert_call(gm.graph, _SCATTER, other, *scatter.args[1:])
-            summed.meta.update({k: v for k, v in add.meta.items() if k not in ("val", "tensor_meta")})
-            replace_node(add, summed)
+            _fold_unpadded(gm.graph, add, scatter, other)
+        zeros = scatter.args[0]
         gm.graph.erase_node(scatter)
         gm.graph.erase_node(zeros)
         folded += 1
@@ -107,6 +105,18 @@ def _fold_padded(
     add = view.args[0]
     graph.erase_node(view)
     graph.erase_node(add)
+
+
+def _fold_unpadded(graph: fx.Graph, add: fx.Node, scatter: fx.Node, other: fx.Node) -> None:
+    with graph.inserting_before(add):
+        summed = insert_call(graph, _SCATTER, other, *scatter.args[1:])
+    summed.meta.update({k: v for k, v in add.meta.items() if k not in ("val", "tensor_meta")})
+    replace_node(add, summed)
+
+
+def _static(*nodes: fx.Node) -> bool:
+    """No SymInt in the values' geometry: the padded form is traced torch code (trace_cache)."""
+    return all(has_static_geometry(tensor_val(n)) for n in nodes)
 
 
 def _scatter_inputs(scatter: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
@@ -149,11 +159,12 @@ def _same_geometry(other: fx.Node, scatter: fx.Node, add: fx.Node) -> bool:
 
 def _padding_of(add: fx.Node) -> Optional[tuple[fx.Node, fx.Node, int]]:
     """(view, pad node, pad) when the sum's only reader flattens it for a zero-padded reduction."""
+    # The inverse of graph_utils.flatten_padded, which lower_reduce builds.
     (view,) = add.users if len(add.users) == 1 else (None,)
-    if view is None or view.target is not aten.view.default or list(view.args[1]) != [-1] or len(view.users) != 1:
+    if view is None or not is_call(view, aten.view.default) or list(view.args[1]) != [-1] or len(view.users) != 1:
         return None
     (padded,) = view.users
-    if padded.target is not aten.constant_pad_nd.default or len(padded.args[1]) != 2 or padded.args[1][0] != 0:
+    if not is_call(padded, aten.constant_pad_nd.default) or len(padded.args[1]) != 2 or padded.args[1][0] != 0:
         return None
     pad = padded.args[1][1]
     value = padded.args[2] if len(padded.args) > 2 else padded.kwargs.get("value", 0)

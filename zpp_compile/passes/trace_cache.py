@@ -53,7 +53,7 @@ def cached_trace(
     in_memory = _IN_MEMORY.setdefault(fake_mode, {}) if fake_mode is not None else {}
     if key in in_memory:
         return in_memory[key], True
-    path = _path_of(key, fake_args)
+    path = _path_of(key)
     graph = _load(path, fake_args, fake_mode) if path is not None else None
     if graph is None:
         graph = trace()
@@ -72,14 +72,12 @@ def _trace_key(fn: Callable, fake_args: list, decompositions: Optional[dict]) ->
     return fn.func, repr(fn.args), repr(sorted(fn.keywords.items())), inputs, _decompositions_digest(decompositions)
 
 
-def _path_of(key: tuple, fake_args: list) -> Optional[str]:
+def _path_of(key: tuple) -> Optional[str]:
     """The file a trace with this key is kept in; None where it cannot be kept (see the docstring)."""
     folder = cache_folder(TRACE_FOLDER)
     func, args, keywords, inputs, decompositions = key
     text = repr((func.__module__, func.__qualname__, args, keywords, inputs, decompositions, code_version()))
-    if (
-        folder is None or any(map(_symbolic, fake_args)) or " at 0x" in text
-    ):  # an object's address: never the same twice
+    if folder is None or " at 0x" in text:  # an object's address: never the same twice
         return None
     return os.path.join(folder, hashlib.sha256(text.encode()).hexdigest() + ".json")
 
