@@ -31,3 +31,34 @@ def test_config_overrides_latency_and_kernel_cost():
 def test_config_refuses_bad_fixed_costs(name, value):
     with pytest.raises(ValueError, match=f"Config.{name}=.* must be a finite number >= 0"):
         zpp_compile.Config(**{name: value})
+
+
+def _shard_with_nothing_remembered(folder: str) -> tuple[bool, bool]:
+    """shard() on a cold cache folder (the rates are measured): (the default generator's state is
+    as it was, a rates file was written)."""
+    from pathlib import Path
+
+    import torch
+
+    from zpp_compile import cost_model
+
+    from .models import build
+
+    saved = cost_model._rates_folder
+    cost_model._rates_folder = lambda: Path(folder)
+    try:
+        model = build("gpt")
+        before = torch.get_rng_state()
+        zpp_compile.shard(model, zpp_compile.Config())
+        return torch.equal(torch.get_rng_state(), before), any(Path(folder).glob("rates-*.json"))
+    finally:
+        cost_model._rates_folder = saved
+        zpp_compile.reset()
+
+
+def test_measuring_the_rates_leaves_the_users_random_stream_alone(pools, tmp_path):
+    # The model's initialization after shard() (meta init), dropout and data order draw from the
+    # default generator: a probe drawing from it made a cold start train unlike its rerun.
+    for rank, (untouched, measured) in enumerate(pools(2).run(_shard_with_nothing_remembered, str(tmp_path))):
+        assert measured, "nothing was measured: the test did not exercise the probe"
+        assert untouched, f"rank {rank}: shard() drew from the default random generator"
