@@ -71,6 +71,19 @@ def run_workers(script: str, nproc: int, worker_args: list[str], env: Optional[d
         return json.loads(Path(out).read_text())
 
 
+def worker_main(out: str, measure: Callable[[], object], timeout_s: int = 600) -> None:
+    """A worker of run_workers: join the gloo group, run measure() and write rank 0's result (JSON)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    result = measure()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
 HAND_WRITTEN = "## Reading the table (written by hand"
 
 

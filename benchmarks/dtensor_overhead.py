@@ -9,20 +9,17 @@ Prints a markdown table (docs/architecture.md quotes it).
 
 from __future__ import annotations
 
-import datetime
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import benchmark_parser, run_workers  # noqa: E402
+from benchmarks._common import benchmark_parser, run_workers, worker_main  # noqa: E402
 
 REPEATS = 20
 
@@ -78,12 +75,7 @@ def main() -> None:
     p.add_argument("--model", choices=["gpt2-small", "tiny"], default="gpt2-small")
     args = p.parse_args()
     if args.worker:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-        rows = measure(args.model)
-        if dist.get_rank() == 0:
-            Path(args.out).write_text(json.dumps(rows))
-        dist.destroy_process_group()
-        return
+        return worker_main(args.out, lambda: measure(args.model))
     rows = run_workers(__file__, args.nproc, ["--model", args.model])
     print(
         f"`python benchmarks/dtensor_overhead.py --nproc {args.nproc} --model {args.model}` "

@@ -24,7 +24,7 @@ def _rooted_from(min_bytes: int, piece_bytes: int = 8):
     """Every tensor of at least `min_bytes` takes the rooted forms, reduced in pieces of
     `piece_bytes` (8: two floats, so a slice of 5 goes as 2 + 2 + 1); this worker only, restored.
     Yields the list of each collective's choice (True: rooted)."""
-    saved = eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES, eager_collectives._rooted
+    saved = eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES, eager_collectives.uses_rooted_form
     choices: list[bool] = []
 
     def counted(whole, group):
@@ -32,11 +32,13 @@ def _rooted_from(min_bytes: int, piece_bytes: int = 8):
         return choices[-1]
 
     eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES = min_bytes, piece_bytes
-    eager_collectives._rooted = counted
+    eager_collectives.uses_rooted_form = counted
     try:
         yield choices
     finally:
-        eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES, eager_collectives._rooted = saved
+        eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES, eager_collectives.uses_rooted_form = (
+            saved
+        )
 
 
 def flat_collectives() -> dict:
@@ -57,19 +59,24 @@ def flat_collectives() -> dict:
         "reduced": reduced,
         "expected_reduce": expected_reduce,
         "flat_untouched": torch.equal(flat, before),
-        "rooted_at_16_mib": eager_collectives._rooted(torch.empty(4 << 20), group),
-        "rooted_below": eager_collectives._rooted(torch.empty((4 << 20) - 1), group),
+        "rooted_at_16_mib": eager_collectives.uses_rooted_form(torch.empty(4 << 20), group),
+        "rooted_below": eager_collectives.uses_rooted_form(torch.empty((4 << 20) - 1), group),
     }
+
+
+def assert_gathered_and_reduced_as_expected(r: dict, rank: int, world: int) -> None:
+    """flat_collectives' inputs: the gather equals the tensor collective's; the reduce too, and
+    the closed form (integer-valued sums are exact in any order)."""
+    assert torch.equal(r["gathered"], r["expected_gather"])
+    assert torch.equal(r["reduced"], r["expected_reduce"])
+    own = torch.arange(SLICE, dtype=torch.float32) + rank * SLICE
+    assert torch.equal(r["reduced"], own * sum(range(1, world + 1)))
 
 
 def test_rooted_forms_give_what_the_tensor_collectives_give(pools):
     world = 4
     for rank, r in enumerate(pools(world).run(flat_collectives)):
-        assert torch.equal(r["gathered"], r["expected_gather"])
-        # Integer-valued sums are exact in any order: equal, and equal to the closed form.
-        assert torch.equal(r["reduced"], r["expected_reduce"])
-        own = torch.arange(SLICE, dtype=torch.float32) + rank * SLICE
-        assert torch.equal(r["reduced"], own * sum(range(1, world + 1)))
+        assert_gathered_and_reduced_as_expected(r, rank, world)
         assert r["flat_untouched"], "the reduce wrote into the caller's gradient"
         assert r["rooted_at_16_mib"] and not r["rooted_below"]
 

@@ -36,10 +36,11 @@ import os
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.output_code import OutputCode
 
-from . import graph_pickling
+from . import eager_collectives, graph_pickling
 from .cache_folders import code_version
 from .config import Config
 from .passes.graph_utils import has_static_geometry
@@ -217,8 +218,15 @@ def key_tag(config: Config, topology: Topology, shard_specs: Sequence[Any], cost
     kernels = os.environ.get("ZPP_QUANT_KERNELS")  # the quantization kernels forced (codegen/registry.py)
     settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _LOWERING_ONLY}
     topology = dataclasses.replace(topology, collective_timeout_s=None)  # the group names tell timeouts apart
-    text = repr((code_version(), pipeline, settings, topology, specs, kernels, cost_model))
+    text = repr((code_version(), pipeline, settings, topology, specs, kernels, cost_model, _rooting()))
     return "zeropp-" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _rooting() -> tuple:
+    """What root_large_collectives decides by besides the graph: its size rule, and which backend
+    carries which device (a graph rooted on gloo must not be loaded where NCCL carries it)."""
+    backends = dist.get_backend_config() if dist.is_initialized() else ""
+    return eager_collectives.ROOTED_MIN_BYTES, backends
 
 
 @contextlib.contextmanager

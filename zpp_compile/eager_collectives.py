@@ -12,7 +12,8 @@ nothing, so every other backend keeps the tensor collectives, as does every tens
 ROOTED_MIN_BYTES (at a few MB the rooted forms' per-owner latency costs more than the copy).
 Checkpoints' whole-tensor gathers (DTensor full_tensor / redistribute) are not routed here.
 
-Compiled graphs lower to functional collectives (passes/), which this module does not touch.
+Compiled graphs lower to functional collectives (passes/); for the same large tensors on gloo,
+passes/root_large_collectives.py swaps them for rooted_ops.py's asynchronous rooted forms.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def all_gather_flat(out: Tensor, shard: Tensor, group: ProcessGroup) -> None:
     """out (group size x shard's numel, flat) <- every rank's `shard`, in group-rank order."""
     world = dist.get_world_size(group)
     _check_sizes("all-gather", out, shard, world)
-    if not _rooted(out, group):
+    if not uses_rooted_form(out, group):
         all_gather_single(out, shard, group=group)
         return
     slices = out.view(world, -1)
@@ -49,20 +50,28 @@ def reduce_scatter_flat(out: Tensor, flat: Tensor, group: ProcessGroup) -> None:
     is left as it was."""
     world = dist.get_world_size(group)
     _check_sizes("reduce-scatter", flat, out, world)
-    if not _rooted(flat, group):
+    if not uses_rooted_form(flat, group):
         reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group)
         return
     rank = dist.get_rank(group)
-    step = max(1, ROOTED_PIECE_BYTES // out.element_size())
     # gloo's reduce writes into its buffer on every rank, and `flat` (autograd's gradient) may be
     # shared: peers' slices go through a scratch of one piece, this rank's straight into `out`.
-    scratch = out.new_empty(min(step, out.numel()))
-    for owner, piece in enumerate(flat.view(world, -1)):
-        for start in range(0, out.numel(), step):
-            stop = min(start + step, out.numel())
+    scratch = out.new_empty(min(piece_numel(out), out.numel()))
+    for owner, part in enumerate(flat.view(world, -1)):
+        for start, stop in pieces(out):
             target = out[start:stop] if owner == rank else scratch[: stop - start]
-            target.copy_(piece[start:stop])
+            target.copy_(part[start:stop])
             dist.reduce(target, op=dist.ReduceOp.SUM, group=group, group_dst=owner)
+
+
+def piece_numel(part: Tensor) -> int:
+    return max(1, ROOTED_PIECE_BYTES // part.element_size())
+
+
+def pieces(part: Tensor) -> list[tuple[int, int]]:
+    """The (start, stop) element ranges one rooted reduce carries of a rank's `part`."""
+    step = piece_numel(part)
+    return [(start, min(start + step, part.numel())) for start in range(0, part.numel(), step)]
 
 
 def _check_sizes(what: str, whole: Tensor, part: Tensor, world: int) -> None:
@@ -71,7 +80,9 @@ def _check_sizes(what: str, whole: Tensor, part: Tensor, world: int) -> None:
         raise ValueError(f"{what}: {whole.numel()} elements are not {world} x {part.numel()}")
 
 
-def _rooted(whole: Tensor, group: ProcessGroup) -> bool:
+def uses_rooted_form(whole: Tensor, group: ProcessGroup) -> bool:
+    """Whether a collective whose whole tensor (gathered output, or reduced input) is `whole` takes
+    the rooted per-owner form on `group` (a fake tensor will do: the compiled path asks too)."""
     return whole.numel() * whole.element_size() >= ROOTED_MIN_BYTES and _on_gloo(whole, group)
 
 

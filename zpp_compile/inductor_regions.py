@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 
 # Everything of these namespaces stays in the outer graph: the functional collectives and waits.
 BOUNDARY_NAMESPACES = ("_c10d_functional", "c10d_functional")
+# And these: root_large_collectives' collectives and waits (rooted_ops.py).
+BOUNDARY_OPS = (
+    torch.ops.zpp.rooted_all_gather.default,
+    torch.ops.zpp.rooted_reduce_scatter.default,
+    torch.ops.zpp.wait_rooted.default,
+)
 # Compiling a run that only re-views tensors buys nothing: it stays FX.
 _NOT_COMPUTE = (operator.getitem,)
 
@@ -58,7 +64,9 @@ class Region:
 
 def is_boundary(node: fx.Node) -> bool:
     target = node.target
-    return node.op == "call_function" and getattr(target, "namespace", None) in BOUNDARY_NAMESPACES
+    return node.op == "call_function" and (
+        getattr(target, "namespace", None) in BOUNDARY_NAMESPACES or target in BOUNDARY_OPS
+    )
 
 
 def _is_compute(node: fx.Node) -> bool:

@@ -25,8 +25,8 @@ from . import comm, schedule_check
 from . import grad_sync as _grad_sync
 from .codegen.quantize import weight_from_payloads
 from .eager_collectives import all_gather_flat, reduce_scatter_flat
-from .faults import explained_collective_failures
-from .topology import current_topology, group_timeout_s
+from .rooted_ops import explained_failures_in
+from .topology import current_topology
 
 
 @torch.library.custom_op("zpp::gather_param", mutates_args=())
@@ -125,7 +125,7 @@ def reduce_grad(
     flat, `shard_numel` elements (gather_param's backward cuts it to the local chunk)."""
     flat = pad_flat(grad.reshape(-1), shard_numel * group_size)
     out = flat.new_empty(shard_numel)
-    with _explained("the eager reduce-scatter of a gradient", group_name):
+    with explained_failures_in("the eager reduce-scatter of a gradient", group_name):
         _check_eager("reduce_scatter", group_name, flat, fqn)
         reduce_scatter_flat(out, flat, _resolve_process_group(group_name))
     _record_eager("reduce_scatter", "backward", group_name, flat)
@@ -141,7 +141,7 @@ def _(grad, numel, shard_numel, group_size, group_name, *, fqn="") -> Tensor:
 def all_reduce_grad(grad: Tensor, group_size: int, group_name: str, *, fqn: str = "") -> Tensor:
     """The gradient of a replicated parameter, averaged over the group (every rank gets it whole)."""
     out = grad.contiguous().clone()
-    with _explained("the eager all-reduce of a gradient", group_name):
+    with explained_failures_in("the eager all-reduce of a gradient", group_name):
         _check_eager("all_reduce", group_name, out, fqn)
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
     _record_eager("all_reduce", "backward", group_name, out)
@@ -167,17 +167,13 @@ def _(x: Tensor) -> Tensor:
 
 def _eager_all_gather(shard: Tensor, group_size: int, group_name: str, fqn: str) -> Tensor:
     out = shard.new_empty(shard.numel() * group_size)
-    with _explained("the eager all-gather of a parameter", group_name):
+    with explained_failures_in("the eager all-gather of a parameter", group_name):
         _check_eager("all_gather", group_name, shard, fqn)
         all_gather_flat(out, shard.contiguous(), _resolve_process_group(group_name))
     # In backward: regather.py gathering a weight again instead of having kept it.
     phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
     _record_eager("all_gather", phase, group_name, shard)
     return out
-
-
-def _explained(where: str, group_name: str):
-    return explained_collective_failures(where, group_timeout_s(group_name))
 
 
 def _check_eager(op: str, group_name: str, payload: Tensor, fqn: str) -> None:

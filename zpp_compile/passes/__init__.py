@@ -25,6 +25,7 @@ from .qgz import qgz
 from .qwz import qwz
 from .read_local_inputs import read_local_inputs
 from .recompute import check_no_gathered_weight_saved, kept_for_backward, tag_gathers_for_recompute
+from .root_large_collectives import root_large_collectives
 from .schedule_overlap import schedule_overlap
 from .tag_parameter_inputs import tag_parameter_inputs
 
@@ -41,7 +42,15 @@ PARTITION_PASSES: list[PartitionPass] = [hpz, order_saved_values]
 # qwz first: it rewrites the forward gathers it quantizes; lower_gather takes whatever is left.
 # The scheduling passes come last: they see the collectives that really travel.
 SCHEDULING_PASSES: list[GraphPass] = [bucket_collectives, schedule_overlap]
-FORWARD_PASSES: list[GraphPass] = [qwz, lower_gather, lower_quantized_gather, lower_replicated, *SCHEDULING_PASSES]
+# root_large_collectives after them: it changes how a collective travels, not where it starts or ends.
+FORWARD_PASSES: list[GraphPass] = [
+    qwz,
+    lower_gather,
+    lower_quantized_gather,
+    lower_replicated,
+    *SCHEDULING_PASSES,
+    root_large_collectives,
+]
 # qgz before lower_reduce: it rewrites the gradient reductions it quantizes.
 BACKWARD_PASSES: list[GraphPass] = [
     lower_gather,
@@ -51,6 +60,7 @@ BACKWARD_PASSES: list[GraphPass] = [
     lower_reduce,
     fold_scatter_grads,
     *SCHEDULING_PASSES,
+    root_large_collectives,
 ]
 
 
@@ -112,6 +122,7 @@ __all__ = [
     "qgz",
     "qwz",
     "read_local_inputs",
+    "root_large_collectives",
     "run_partition_passes",
     "run_passes",
     "tag_gathers_for_recompute",

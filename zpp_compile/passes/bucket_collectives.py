@@ -69,7 +69,7 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         buckets = _buckets(gm, is_kind, cap, block_of) if cap else []
         if buckets:
             merge(gm, buckets, "default")
-    if _collectives_run_outside_inductor(gm, ctx):
+    if collectives_run_outside_inductor(gm, ctx):
         _gather_from_concatenation(gm)
     after = _count(gm)
     if after == before:
@@ -100,7 +100,7 @@ def _merge_all_reduces(gm: fx.GraphModule, buckets: list[list[fx.Node]], mode: s
             merge_all_reduce_bucket(gm.graph, bucket, mode)
 
 
-def _collectives_run_outside_inductor(gm: fx.GraphModule, ctx: PassContext) -> bool:
+def collectives_run_outside_inductor(gm: fx.GraphModule, ctx: PassContext) -> bool:
     """Whether the graph's collectives will run as FX nodes (compiled by region, or not compiled),
     where a collective's input lives as long as the collective holds it. Inside a graph Inductor
     compiles whole, its memory planner hands a buffer to the next kernel after its last read: the
@@ -120,13 +120,13 @@ def _gather_from_concatenation(gm: fx.GraphModule) -> None:
         if not (is_call(copied, aten.copy_.default) and len(copied.users) == 1):
             continue
         slot, concatenated = copied.args[:2]
-        if _is_plain_copy_into_slot_of(out, slot, concatenated):
+        if is_plain_copy_into_slot_of(out, slot, concatenated):
             gather.replace_input_with(copied, concatenated)
             gm.graph.erase_node(copied)
             gm.graph.erase_node(slot)
 
 
-def _is_plain_copy_into_slot_of(out: fx.Node, slot: fx.Node, source: fx.Node) -> bool:
+def is_plain_copy_into_slot_of(out: fx.Node, slot: fx.Node, source: fx.Node) -> bool:
     """slot is a slice of `out` read by nothing but the copy, and the copy neither casts nor
     broadcasts `source`."""
     if not (is_call(slot, aten.slice.Tensor) and slot.args[0] is out and len(slot.users) == 1):

@@ -36,6 +36,9 @@ COLLECTIVE_OPS = {
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_to_all_single.default: "all_to_all",
     c10d.all_reduce.default: "all_reduce",
+    # root_large_collectives' unstaged forms on gloo (rooted_ops.py); each has one user, wait_rooted.
+    torch.ops.zpp.rooted_all_gather.default: "all_gather",
+    torch.ops.zpp.rooted_reduce_scatter.default: "reduce_scatter",
 }
 COLLECTIVE_STARTS = tuple(COLLECTIVE_OPS)
 

@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+import zpp_compile  # noqa: F401
+from zpp_compile import eager_collectives
+from zpp_compile.passes import bucket_collectives, lower_reduce, root_large_collectives
+
+from .helpers import context, gathered_layers, targets, trace
+
+c10d = torch.ops._c10d_functional
+zpp = torch.ops.zpp
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def every_tensor_rooted(monkeypatch):
+    monkeypatch.setattr(eager_collectives, "ROOTED_MIN_BYTES", 0)
+
+
+def reduced(group: str, numel: int, shard_numel: int):
+    """A gradient of `numel` elements lowered to a reduce-scatter of `shard_numel` (padded if more)."""
+    grad = torch.randn(numel)
+    gm = trace(lambda g: torch.ops.zpp.reduce_grad(g, numel, shard_numel, 1, group), grad)
+    return lower_reduce(gm, context(group, phase="backward")), grad
+
+
+def only(gm, target):
+    (node,) = [n for n in gm.graph.nodes if n.target == target]
+    return node
+
+
+def test_a_padded_gradient_is_reduced_in_place_of_its_padded_copy(group_of_one, every_tensor_rooted):
+    gm, grad = reduced(group_of_one, 10, 12)
+    expected = gm(grad)
+    gm = root_large_collectives(gm, context(group_of_one, phase="backward"))
+    after = targets(gm)
+    assert c10d.reduce_scatter_tensor.default not in after and c10d.wait_tensor.default not in after
+    issued, wait = only(gm, zpp.rooted_reduce_scatter.default), only(gm, zpp.wait_rooted.default)
+    assert issued.args[0].target == aten.constant_pad_nd.default
+    # Compiled whole by Inductor: the wait reads the padded copy, so its buffer is not reused early.
+    assert wait.args == (issued, issued.args[0])
+    torch.testing.assert_close(gm(grad), expected)
+
+
+def test_run_as_fx_nodes_the_wait_does_not_hold_the_input(group_of_one, every_tensor_rooted):
+    gm, _ = reduced(group_of_one, 10, 12)
+    gm = root_large_collectives(gm, context(group_of_one, phase="backward", lowering="aot_eager"))
+    assert only(gm, zpp.wait_rooted.default).args[1] is None
+
+
+def test_a_gradient_the_collective_does_not_own_keeps_the_functional_form(group_of_one, every_tensor_rooted):
+    gm, _ = reduced(group_of_one, 12, 12)  # unpadded: the collective reads a view of the graph input
+    code = gm.code
+    assert root_large_collectives(gm, context(group_of_one, phase="backward")).code == code
+
+
+def test_a_padded_copy_read_elsewhere_keeps_the_functional_form(group_of_one, every_tensor_rooted):
+    def reduce_and_read_the_copy(g):
+        padded = torch.nn.functional.pad(g, (0, 2))
+        r = c10d.wait_tensor(c10d.reduce_scatter_tensor(padded, "sum", 1, group_of_one))
+        return r, padded.sum()
+
+    gm = trace(reduce_and_read_the_copy, torch.randn(10))
+    code = gm.code
+    assert root_large_collectives(gm, context(group_of_one, phase="backward")).code == code
+
+
+def test_collectives_below_the_threshold_keep_the_functional_form(group_of_one):
+    gm, _ = reduced(group_of_one, 10, 12)
+    code = gm.code
+    assert root_large_collectives(gm, context(group_of_one, phase="backward")).code == code
+
+
+def test_gathers_and_bucketed_gathers_are_rooted(group_of_one, every_tensor_rooted):
+    for bucketed in (False, True):
+        gm, args = gathered_layers(group_of_one)
+        expected = gm(*args)
+        if bucketed:
+            gm = bucket_collectives(gm, context(group_of_one))
+            assert c10d.all_gather_into_tensor_out.default in targets(gm)
+        gm = root_large_collectives(gm, context(group_of_one))
+        after = targets(gm)
+        gathers = [c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default]
+        assert not set(gathers) & set(after)
+        assert (
+            after.count(zpp.rooted_all_gather.default) == after.count(zpp.wait_rooted.default) == (1 if bucketed else 3)
+        )
+        # Bucketing's output buffer and its copy into this rank's slot went with the _out gather.
+        assert aten.copy_.default not in after and aten.empty.memory_format not in after
+        torch.testing.assert_close(gm(*args), expected)
