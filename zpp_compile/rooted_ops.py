@@ -23,7 +23,8 @@ passes/root_large_collectives.py gives compiled graphs the same, through two ops
   later kernel while gloo still reads or writes it (the functional collectives get the same
   guarantee from Inductor's lowering, NOTE [Out-of-Place Collective Safety]).
 
-Between the two ops the works are held here, keyed by `out`'s storage.
+Between the two ops a future per work is held here, keyed by `out`'s storage; the wait raises the
+first failure in issue order (a stuck peer costs one timeout, not one per work).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .topology import group_timeout_s
 
 @dataclasses.dataclass
 class _InFlight:
-    done: torch.futures.Future  # completes when every work has (with the first error, if any)
+    done: list[torch.futures.Future]  # one per work, in issue order, holding no tensor
     group_name: str
     what: str
 
@@ -109,7 +110,8 @@ def wait_rooted(out: Tensor, keep_alive: Optional[Tensor] = None) -> None:
             "zpp.rooted_* result must be waited on exactly once, by the graph that issued it."
         )
     with explained_failures_in(f"the wait of {in_flight.what}", in_flight.group_name):
-        in_flight.done.wait()
+        for done in in_flight.done:  # in issue order: the first failure raises, the rest are not awaited
+            done.wait()
 
 
 @wait_rooted.register_fake
@@ -123,17 +125,18 @@ def in_flight_count() -> int:
 
 
 def _hold(out: Tensor, works: list, group_name: str, what: str) -> None:
-    """Keep one future for the works, not the works: gloo's works hold the tensors they send
-    until they are dropped, so a reduce's input is freed when its reduces finish, not at the wait
-    (as gloo's own reduce-scatter frees it). In a graph Inductor compiles whole, wait_rooted's
-    second argument keeps it to the wait, as Inductor does for its collectives."""
-    done = torch.futures.collect_all([work.get_future() for work in works]).then(_raise_first_error)
-    _IN_FLIGHT[_key(out)] = _InFlight(done, group_name, what)
+    """Keep a future per work that holds no tensor, not the works: gloo's works and their futures
+    keep the tensors they send until dropped, so a reduce's input is freed when its reduces finish
+    (as with gloo's own reduce-scatter), not at the wait. In a graph Inductor compiles whole,
+    wait_rooted's second argument keeps it to the wait, as Inductor does for its collectives."""
+    key = _key(out)
+    if key in _IN_FLIGHT:
+        raise RuntimeError(f"zpp::rooted ops: {what} returned a tensor already in flight (a bug in zpp_compile)")
+    _IN_FLIGHT[key] = _InFlight([work.get_future().then(_without_value) for work in works], group_name, what)
 
 
-def _raise_first_error(collected: torch.futures.Future) -> None:
-    for future in collected.value():
-        future.value()  # raises the work's error
+def _without_value(done: torch.futures.Future) -> None:
+    done.value()  # raises the work's error, which the chained future then carries
 
 
 def _key(out: Tensor) -> int:

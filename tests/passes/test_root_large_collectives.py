@@ -88,3 +88,32 @@ def test_gathers_and_bucketed_gathers_are_rooted(group_of_one, every_tensor_root
         # Bucketing's output buffer and its copy into this rank's slot went with the _out gather.
         assert aten.copy_.default not in after and aten.empty.memory_format not in after
         torch.testing.assert_close(gm(*args), expected)
+
+
+@pytest.mark.parametrize(
+    "copy",
+    [
+        pytest.param(lambda g: g.clone(), id="clone"),  # Inductor's no-op removal would drop it
+        pytest.param(lambda g: torch.cat([g]), id="one_part_cat"),
+        pytest.param(lambda g: torch.nn.functional.pad(g, (0, 0)), id="zero_pad"),
+        pytest.param(lambda g: torch.ops.aten._unsafe_view(g, [-1]), id="unsafe_view"),
+    ],
+)
+def test_a_copy_inductor_may_drop_keeps_the_functional_form(group_of_one, every_tensor_rooted, copy):
+    # Rooted, the reduce would write into `g` itself, which the graph also returns.
+    def reduce_a_copy(g):
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(copy(g), "sum", 1, group_of_one)), g * 2
+
+    gm = trace(reduce_a_copy, torch.randn(12))
+    code = gm.code
+    assert root_large_collectives(gm, context(group_of_one, phase="backward")).code == code
+
+
+def test_a_collective_of_a_matrix_keeps_the_functional_form(group_of_one, every_tensor_rooted):
+    # The rooted forms return flat tensors: a 2-D gather's readers would get the wrong shape.
+    def gather_a_matrix(w, x):
+        return x @ c10d.wait_tensor(c10d.all_gather_into_tensor(w, 1, group_of_one)).t()
+
+    gm = trace(gather_a_matrix, torch.randn(8, 4), torch.randn(3, 4))
+    code = gm.code
+    assert root_large_collectives(gm, context(group_of_one)).code == code

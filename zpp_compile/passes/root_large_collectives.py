@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch._inductor.fx_passes.post_grad import noop_registry
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .. import eager_collectives
@@ -78,7 +79,11 @@ def _large_on_gloo(start: fx.Node) -> bool:
 
 
 def _payload(start: fx.Node) -> Optional[fx.Node]:
-    """What the rooted form sends, or None where the collective is kept."""
+    """What the rooted form sends, or None where the collective is kept. Flat tensors only (what
+    zpp_compile lowers to): the rooted forms return flat results, and a user's own collective of
+    a 2-D tensor would hand its readers the wrong shape."""
+    if tensor_val(start.args[0]).dim() != 1:
+        return None
     if start.target == c10d.all_gather_into_tensor.default:
         return start.args[0]
     if start.target == c10d.all_gather_into_tensor_out.default:
@@ -102,16 +107,26 @@ def _payload_of_gather_out(gather: fx.Node) -> Optional[fx.Node]:
 
 def _reduces_a_buffer_of_its_own(start: fx.Node) -> bool:
     """The rooted reduce-scatter overwrites its input: it must be a fresh buffer (through views of
-    it) that only the collective reads, computed by an op that returns a new tensor (not a graph
-    input), with a "sum". For a concatenation, its inputs must have no other readers either:
-    Inductor may compute them straight into the concatenation's buffer and let those readers
-    read them there."""
+    it) that only the collective reads, with a "sum". Fresh: a non-zero pad, a concatenation of
+    two or more parts nothing else reads (Inductor may compute those straight into the
+    concatenation's buffer and let their other readers read it there), or an op that returns a
+    new tensor and that Inductor never replaces by its input (post_grad's no-op table: a clone, a
+    one-part cat, a zero pad would be dropped after this pass, and the reduce would write into
+    the tensor they copied)."""
     source = start.args[0]
     while is_call(source, aten.view.default) and len(source.users) == 1:
         source = source.args[0]
-    if start.args[1] != "sum" or len(source.users) != 1 or not _returns_new_tensor(source):
+    if start.args[1] != "sum" or len(source.users) != 1:
         return False
-    return not is_call(source, aten.cat.default) or all(len(part.users) == 1 for part in source.args[0])
+    if is_call(source, aten.constant_pad_nd.default):
+        return any(source.args[1])
+    if is_call(source, aten.cat.default):
+        return len(source.args[0]) > 1 and all(len(part.users) == 1 for part in source.args[0])
+    return _returns_new_tensor(source) and source.target not in _NOT_FRESH
+
+
+# Ops Inductor may replace by their input after this pass, and a view its schema does not mark.
+_NOT_FRESH = (*noop_registry, aten._unsafe_view.default)
 
 
 def _returns_new_tensor(node: fx.Node) -> bool:
