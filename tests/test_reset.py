@@ -111,7 +111,7 @@ def test_register_reset_adds_a_clear_function_once():
 def errors_quote_their_groups_timeout() -> list[str]:
     """Two models with different collective timeouts: an eager collective's error quotes the
     timeout of the group it ran on, not the latest shard()'s."""
-    from zpp_compile import ops
+    from zpp_compile.rooted_ops import explained_failures_in
 
     messages = []
     models = []
@@ -122,7 +122,7 @@ def errors_quote_their_groups_timeout() -> list[str]:
     for model in models:
         group_name = shard_spec(model.fc1.weight).group_name
         with pytest.raises(zpp_compile.CollectiveError) as caught:
-            with ops._explained("the eager all-gather of a parameter", group_name):
+            with explained_failures_in("the eager all-gather of a parameter", group_name):
                 raise RuntimeError("Connection closed by peer")
         messages.append(str(caught.value))
     return messages
