@@ -68,6 +68,7 @@ def measure(mb: int) -> list:
     world = dist.get_world_size()
     numel = mb * 2**20 // 4 // world * world
     flat, shard = torch.randn(numel), torch.randn(numel // world)
+    assert eager_collectives.uses_rooted_form(flat, dist.group.WORLD), "below the rooted threshold"
     rows = []
     for (op, form), (run, source) in _forms(flat, shard).items():
         times = []
@@ -84,7 +85,6 @@ def measure(mb: int) -> list:
         extra = torch.tensor([step_peak_bytes(lambda: run(x)) - output_bytes], dtype=torch.float64)
         dist.all_reduce(extra, op=dist.ReduceOp.MAX)
         rows.append((op, form, statistics.median(times) * 1e3, extra.item() / 2**20))
-    assert eager_collectives.uses_rooted_form(flat, dist.group.WORLD), "below the rooted threshold"
     return rows
 
 

@@ -20,7 +20,7 @@ SLICE = 5
 
 
 @contextlib.contextmanager
-def _rooted_from(min_bytes: int, piece_bytes: int = 8):
+def rooted_from(min_bytes: int, piece_bytes: int = 8):
     """Every tensor of at least `min_bytes` takes the rooted forms, reduced in pieces of
     `piece_bytes` (8: two floats, so a slice of 5 goes as 2 + 2 + 1); this worker only, restored.
     Yields the list of each collective's choice (True: rooted)."""
@@ -47,7 +47,7 @@ def flat_collectives() -> dict:
     flat = (rank + 1) * torch.arange(world * SLICE, dtype=torch.float32)
     before = flat.clone()
     gathered, reduced = torch.empty(world * SLICE), torch.empty(SLICE)
-    with _rooted_from(0):
+    with rooted_from(0):
         eager_collectives.all_gather_flat(gathered, shard, group)
         eager_collectives.reduce_scatter_flat(reduced, flat, group)
     expected_gather, expected_reduce = torch.empty(world * SLICE), torch.empty(SLICE)
@@ -107,7 +107,7 @@ def eager_step(name: str, config: str, rooted: bool) -> dict:
     x, y = batch(name, 2 * world, 0)
     counter = zpp_compile.comm_counter()
     counter.reset()
-    with _rooted_from(0 if rooted else 1 << 62, piece_bytes=4096) as choices:
+    with rooted_from(0 if rooted else 1 << 62, piece_bytes=4096) as choices:
         loss = loss_of(name, model, x.chunk(world)[rank], y.chunk(world)[rank])
         loss.backward()
     return {

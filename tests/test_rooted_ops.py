@@ -4,34 +4,20 @@ collectives give."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import zpp_compile
-from zpp_compile import eager_collectives, rooted_ops
+from zpp_compile import rooted_ops
 from zpp_compile.backend import clear_compiled_graphs, compiled_graphs
 from zpp_compile.compat import all_gather_single, reduce_scatter_single
 from zpp_compile.passes.graph_utils import c10d
 
 from .models import loss_curve
-from .test_eager_collectives import SLICE, assert_gathered_and_reduced_as_expected
+from .test_eager_collectives import SLICE, assert_gathered_and_reduced_as_expected, rooted_from
 
 zpp = torch.ops.zpp
-
-
-@contextlib.contextmanager
-def _rooted_from(min_bytes: int, piece_bytes: int = 8):
-    """Tensors of at least `min_bytes` take the rooted forms, in pieces of `piece_bytes` (8: two
-    floats, so a slice of 5 goes as 2 + 2 + 1); this worker only, restored."""
-    saved = eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES
-    eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES = min_bytes, piece_bytes
-    try:
-        yield
-    finally:
-        eager_collectives.ROOTED_MIN_BYTES, eager_collectives.ROOTED_PIECE_BYTES = saved
 
 
 def issued_then_waited() -> dict:
@@ -41,7 +27,7 @@ def issued_then_waited() -> dict:
     expected_gather, expected_reduce = torch.empty(world * SLICE), torch.empty(SLICE)
     all_gather_single(expected_gather, shard, group=group)
     reduce_scatter_single(expected_reduce, flat.clone(), op=dist.ReduceOp.SUM, group=group)
-    with _rooted_from(0):
+    with rooted_from(0):
         # Both in flight at once, waited on in the other order: each wait completes its own works.
         reduced = zpp.rooted_reduce_scatter(flat, world, group.group_name)
         gathered = zpp.rooted_all_gather(shard, world, group.group_name)
@@ -97,7 +83,7 @@ def compiled_steps(name: str, config: str, rooted: bool, steps: int = 2) -> dict
     counter = zpp_compile.comm_counter()
     counter.reset()
     grads: list = []
-    with _rooted_from(0 if rooted else 1 << 62, piece_bytes=4096):
+    with rooted_from(0 if rooted else 1 << 62, piece_bytes=4096):
         losses, _ = loss_curve(zpp_compile.Config(**CONFIGS[config]), steps, lr=1e-2, grads=grads, model=name)
     graphs = [gm for record in compiled_graphs() for gm in (record.forward, record.backward) if gm is not None]
     targets = [str(n.target) for gm in graphs for n in gm.graph.nodes]

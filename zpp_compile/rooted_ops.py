@@ -65,9 +65,7 @@ def rooted_reduce_scatter(flat: Tensor, group_size: int, group_name: str) -> Ten
     works = []
     with explained_failures_in("the issue of a rooted reduce-scatter", group_name):
         for owner, part in enumerate(flat.view(group_size, -1)):
-            target = out if owner == rank else part
-            if owner == rank:
-                out.copy_(part)
+            target = out.copy_(part) if owner == rank else part
             for start, stop in pieces(out):
                 works.append(
                     dist.reduce(target[start:stop], op=dist.ReduceOp.SUM, group=group, group_dst=owner, async_op=True)

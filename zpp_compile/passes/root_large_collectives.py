@@ -36,6 +36,7 @@ from torch._inductor.fx_passes.post_grad import noop_registry
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .. import eager_collectives
+from ..cost_model import returns_alias
 from .bucket_collectives import collectives_run_outside_inductor, is_plain_copy_into_slot_of
 from .context import PassContext
 from .graph_utils import aten, c10d, calls, finish, insert_call, is_call, tensor_val
@@ -130,13 +131,7 @@ _NOT_FRESH = (*noop_registry, aten._unsafe_view.default)
 
 
 def _returns_new_tensor(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return (
-        schema is not None
-        and not schema.is_mutable
-        and len(schema.returns) == 1
-        and schema.returns[0].alias_info is None
-    )
+    return node.op == "call_function" and hasattr(node.target, "_schema") and not returns_alias(node)
 
 
 def _swap(graph: fx.Graph, start: fx.Node, wait: fx.Node, payload: fx.Node, keep_input: bool) -> None:
