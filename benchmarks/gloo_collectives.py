@@ -41,7 +41,7 @@ def _forms(flat: torch.Tensor, shard: torch.Tensor) -> dict:
         eager_collectives.reduce_scatter_flat(torch.empty_like(shard), x, group)
 
     def compiled_reduce(x):
-        zpp.wait_rooted(zpp.rooted_reduce_scatter(x, world, name))
+        zpp.wait_rooted(zpp.rooted_reduce_scatter(x, shard.numel(), world, name))
 
     def functional_gather(x):
         c10d.wait_tensor(c10d.all_gather_into_tensor(x, world, name))

@@ -4,6 +4,7 @@ identical runs compiled once (a real one-rank gloo group, real Inductor)."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -54,6 +55,59 @@ def test_each_run_between_collectives_is_one_region_and_the_values_stay(group_of
     outer = [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_STARTS]
     assert len(outer) == 3
     torch.testing.assert_close(compiled(list(args)), want)
+
+
+def test_a_region_input_is_freed_at_its_last_read_not_when_the_region_returns(group_of_one):
+    """The outer graph hands each region its inputs in a list and keeps no other reference to
+    those it does not read again: a region (Inductor's code, here a stand-in that empties the list
+    as Inductor's does) can free them after its last kernel."""
+
+    def fn(x, w):  # x: read by the first region only; w: by the first and the second
+        reduced = c10d.wait_tensor(c10d.all_reduce(torch.tanh(x) + w, "sum", group_of_one))
+        return (reduced * w,)
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(8), torch.randn(8))
+    alive_after_clearing: list[list[bool]] = []
+
+    def compile_region(graph, fake_inputs):
+        def run(inputs):
+            held = [weakref.ref(t) for t in inputs]
+            outputs = graph(*inputs)
+            inputs.clear()
+            alive_after_clearing.append([ref() is not None for ref in held])
+            return outputs
+
+        return run
+
+    compiled = compile_regions(gm, compile_region)
+    compiled([torch.randn(8), torch.randn(8)])
+    assert alive_after_clearing[0] == [False, True]  # x is gone inside the region; w is read later
+
+
+def test_what_is_computed_from_no_input_is_computed_in_its_readers_region(group_of_one):
+    """An index made from an iota above a collective's wait (where a pass traced it in) goes into
+    the region that reads it: cut into the region before, it crossed the cut as a real tensor
+    (two int64 tensors of the embedding's size under full ZeRO++ on GPT-2)."""
+
+    def fn(x):
+        index = torch.arange(64) % 16  # read only after the collective
+        reduced = c10d.wait_tensor(c10d.all_reduce(torch.tanh(x), "sum", group_of_one))
+        return (reduced[index] * 2,)
+
+    from torch._inductor.decomposition import select_decomp_table
+
+    x = torch.randn(16)
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(x)
+    want = fn(x)
+    region_inputs: list[list[torch.dtype]] = []
+
+    def compile_region(graph, fake_inputs):
+        region_inputs.append([t.dtype for t in fake_inputs])
+        return compile_fx_inner(graph, fake_inputs)
+
+    compiled = compile_regions(gm, compile_region)
+    assert torch.int64 not in {dtype for inputs in region_inputs for dtype in inputs}
+    torch.testing.assert_close(compiled([x])[0], want[0])
 
 
 def test_identical_layers_compile_once(group_of_one):

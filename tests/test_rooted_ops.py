@@ -29,7 +29,7 @@ def issued_then_waited() -> dict:
     reduce_scatter_single(expected_reduce, flat.clone(), op=dist.ReduceOp.SUM, group=group)
     with rooted_from(0):
         # Both in flight at once, waited on in the other order: each wait completes its own works.
-        reduced = zpp.rooted_reduce_scatter(flat, world, group.group_name)
+        reduced = zpp.rooted_reduce_scatter(flat, SLICE, world, group.group_name)
         gathered = zpp.rooted_all_gather(shard, world, group.group_name)
         in_flight = rooted_ops.in_flight_count()
         zpp.wait_rooted(gathered)
@@ -55,6 +55,34 @@ def test_rooted_ops_give_what_the_functional_collectives_give(pools):
         assert_gathered_and_reduced_as_expected(r, rank, world)
         assert r["in_flight"] == (2, 0)
         assert "no rooted collective in flight" in r["second_wait"]
+
+
+def short_flat_reduced(numel: int) -> dict:
+    """The rooted reduce of a flat gradient that stops short of world x SLICE (its zero pad left
+    off), against the functional reduce-scatter of the padded copy."""
+    world, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
+    flat = (rank + 1) * torch.arange(1, numel + 1, dtype=torch.float32)
+    expected = torch.empty(SLICE)
+    reduce_scatter_single(
+        expected, torch.nn.functional.pad(flat, (0, world * SLICE - numel)), op=dist.ReduceOp.SUM, group=group
+    )
+    with rooted_from(0):
+        reduced = zpp.rooted_reduce_scatter(flat, SLICE, world, group.group_name)
+        zpp.wait_rooted(reduced, flat)
+    try:
+        zpp.rooted_reduce_scatter(torch.zeros(world * SLICE + 1), SLICE, world, group.group_name)
+        too_long = ""
+    except ValueError as error:
+        too_long = str(error)
+    return {"reduced": reduced, "expected": expected, "too_long": too_long}
+
+
+# 4 ranks of SLICE (5): rank 2's part short by 2, rank 3's missing; rank 3's part short by 1.
+@pytest.mark.parametrize("numel", [13, 19])
+def test_a_flat_gradient_without_its_zero_pad_reduces_as_the_padded_one(pools, numel):
+    for r in pools(4).run(short_flat_reduced, numel):
+        assert torch.equal(r["reduced"], r["expected"])
+        assert "21 elements do not fit 4 shards of 5" in r["too_long"]
 
 
 # Compiled whole by Inductor; by region (the collectives then run as FX nodes); qwZ's int8 gathers

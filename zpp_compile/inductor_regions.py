@@ -18,9 +18,15 @@ Before (a lowered forward graph):
     w1 = wait(ag1); h = addmm(view(w1), h); ...              # layer 1
 After:
     ag0 = all_gather(p0); w0 = wait(ag0); ag1 = all_gather(p1)
-    r0 = region(w0, x)         # the compiled kernels of layer 0 (one boxed call)
+    r0 = region([w0, x])       # the compiled kernels of layer 0 (one boxed call)
     w1 = wait(ag1)
-    r1 = region(w1, r0[0])     # layer 1: the same region graph, an FX-graph cache hit
+    r1 = region([w1, r0[0]])   # layer 1: the same region graph, an FX-graph cache hit
+
+A region takes its inputs as a list that the outer graph holds no other reference to, as the
+boxed calling convention means: Inductor's code empties it and frees each input after its last
+kernel. (Passed as arguments they lived until the region returned: the backward's first region
+held the 147 MB gathered embedding of GPT-2 past its last read and while it made the head's
+147 MB gradient.)
 """
 
 from __future__ import annotations
@@ -37,15 +43,21 @@ from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._inductor import config as inductor_config
 from torch.fx.graph import _BoxedCodeGen
 
+from . import rooted_ops, scatter_ops  # noqa: F401 (register the zpp ops named below)
+from .passes.graph_utils import is_random
+
 log = logging.getLogger(__name__)
 
 # Everything of these namespaces stays in the outer graph: the functional collectives and waits.
 BOUNDARY_NAMESPACES = ("_c10d_functional", "c10d_functional")
-# And these: root_large_collectives' collectives and waits (rooted_ops.py).
+# And these: root_large_collectives' collectives and waits (rooted_ops.py), and fold_scatter_grads'
+# in-place write into a gradient another region computed (scatter_ops.py; Inductor never
+# overwrites a region's input).
 BOUNDARY_OPS = (
     torch.ops.zpp.rooted_all_gather.default,
     torch.ops.zpp.rooted_reduce_scatter.default,
     torch.ops.zpp.wait_rooted.default,
+    torch.ops.zpp.add_rows.default,
 )
 # Compiling a run that only re-views tensors buys nothing: it stays FX.
 _NOT_COMPUTE = (operator.getitem,)
@@ -158,7 +170,11 @@ def _replace_run(gm: fx.GraphModule, run: list[fx.Node], region: Region, call: C
     """Put one call of the compiled region where the run was; its outputs replace the run's."""
     graph = gm.graph
     with graph.inserting_before(run[0]):
-        node = graph.call_function(call, tuple(region.inputs))
+        # The inputs go in a list the outer graph then lets go of (FX frees a value after its
+        # last reader, here the list): Inductor's code empties the list and frees each input
+        # after its last kernel, not when the region returns.
+        inputs = graph.call_function(inputs_list, tuple(region.inputs))
+        node = graph.call_function(call, (inputs,))
         node.name = f"region_{index}"
         results = [graph.call_function(operator.getitem, (node, i)) for i in range(len(region.outputs))]
     for old, new in zip(region.outputs, results):
@@ -197,11 +213,40 @@ def compile_each(jobs: list[RegionCompile]) -> None:
         job.compile()
 
 
-def _boxed_region(job: RegionCompile) -> Callable[..., Any]:
-    def region(*args: Any) -> Any:
-        return job.compiled(list(args))  # type: ignore[misc]
+def inputs_list(*inputs: Any) -> list[Any]:
+    """A region's inputs as the list its boxed callable takes (and empties)."""
+    return list(inputs)
+
+
+def _boxed_region(job: RegionCompile) -> Callable[[list[Any]], Any]:
+    def region(inputs: list[Any]) -> Any:
+        return job.compiled(inputs)  # type: ignore[misc]
 
     return region
+
+
+def sink_input_free_nodes(graph: fx.Graph) -> None:
+    """Move what is computed from no value (an iota, a fill, and what follows from them alone) to
+    just before its first reader, so that it falls into the reader's region, where Inductor
+    computes it inline. Left where a pass put it, above a collective's wait, it went into the
+    region before and crossed the cut as a real tensor: full ZeRO++ on GPT-2 passed two int64
+    index tensors of the embedding's size (2 x 309 MB) from region to region. Random draws stay
+    where they are: moving one would reorder the generator's stream."""
+    free: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (
+            node.op == "call_function"
+            and node.users
+            and not is_boundary(node)
+            and not is_random(node)
+            and not node.is_impure()
+            and all(arg in free for arg in node.all_input_nodes)
+        ):
+            free.add(node)
+    for node in reversed([n for n in graph.nodes if n in free]):  # readers first: they move first
+        reader = min(node.users)
+        if _is_compute(reader) and not is_boundary(reader):  # a collective's buffer stays put
+            reader.prepend(node)
 
 
 def compile_regions(
@@ -217,6 +262,7 @@ def compile_regions(
     dtypes, no constants) reuses its compiled callable without asking Inductor again; across graphs
     and processes the FX-graph cache does the same. The graph is cut first; then `compile_all`
     compiles its distinct regions (compile_sharing deals them out among a host's ranks)."""
+    sink_input_free_nodes(gm.graph)
     runs = runs_between_collectives(gm.graph)
     jobs: dict[Any, RegionCompile] = {}
     regions = 0

@@ -30,14 +30,18 @@ def collectives_in(gm: fx.GraphModule, phase: Phase, label: str) -> list[Collect
             continue
         payload = node.args[0].meta["val"]
         group_name = node.args[-1]
+        ranks = group_ranks(group_name)
+        # A reduce-scatter's input, as the functional form sends it: the rooted one may take it
+        # without its zero pad (root_large_collectives).
+        numel = node.meta["val"].numel() * len(ranks) if op == "reduce_scatter" else payload.numel()
         found.append(
             Collective(
                 op=op,
                 phase=phase,
                 group_name=group_name,
-                group_ranks=group_ranks(group_name),
+                group_ranks=ranks,
                 dtype=payload.dtype,
-                input_numel=payload.numel(),
+                input_numel=numel,
                 label=label,
             )
         )

@@ -6,15 +6,18 @@ backward that reduce-scatters a 147 MB gradient holds its padded copy, gloo's st
 shard at once. The eager path already takes the rooted per-owner form for such tensors;
 passes/root_large_collectives.py gives compiled graphs the same, through two ops here:
 
-    out = zpp.rooted_reduce_scatter(flat, group_size, group_name)   # reduces issued, async
-    ...                                                             # compute overlaps
-    zpp.wait_rooted(out, flat)                                      # completed; `out` is ready
+    out = zpp.rooted_reduce_scatter(flat, shard_numel, group_size, group_name)  # issued, async
+    ...                                                                         # compute overlaps
+    zpp.wait_rooted(out, flat)                                   # completed; `out` is ready
 
 - rooted_reduce_scatter: one gloo reduce per owner and piece, issued asynchronously. Peers'
   slices are reduced in place in `flat` (gloo's reduce writes its buffer on every rank); that is
-  why it declares `flat` mutated and why the pass only gives it a flat nothing else reads (a pad or
-  bucket concatenation of its own). This rank's slice is copied into `out` and reduced there. No
-  staging: the extra memory is `out`, as for the functional form, minus gloo's copy.
+  why it declares `flat` mutated and why the pass only gives it a flat nothing else reads (a
+  gradient of its own, a pad or a bucket concatenation). This rank's slice is copied into `out`
+  and reduced there. `flat` may stop short of the last shards' end (it is the gradient before
+  the reduction's zero pad): the missing elements are zeros on every rank, so they are not sent
+  and `out`'s tail is zero-filled. No staging: the extra memory is `out`, as for the functional
+  form, minus gloo's copy (and the pad's copy).
 - rooted_all_gather: this rank's shard copied into its slot of `out`, then one broadcast per
   owner into that owner's slot.
 - wait_rooted: waits for the op's works and marks `out` written (it declares `out` mutated, so
@@ -56,17 +59,22 @@ register_reset(_IN_FLIGHT.clear)
 
 
 @torch.library.custom_op("zpp::rooted_reduce_scatter", mutates_args=("flat",))
-def rooted_reduce_scatter(flat: Tensor, group_size: int, group_name: str) -> Tensor:
-    """Issue the sum over the group of each rank's slice of `flat` into that rank's `out` (flat
-    numel / group size elements); `flat`'s other slices are left undefined. Complete with wait_rooted."""
+def rooted_reduce_scatter(flat: Tensor, shard_numel: int, group_size: int, group_name: str) -> Tensor:
+    """Issue the sum over the group of each rank's slice of `flat` into that rank's `out`
+    (shard_numel elements); `flat`'s other slices are left undefined. `flat` may end before
+    group size x shard_numel: what is missing counts as zeros (the reduction's zero pad, which
+    the rooted form need not copy). Complete with wait_rooted."""
+    _check_fits(flat, shard_numel, group_size)
     group = _resolve_process_group(group_name)
-    out = flat.new_empty(flat.numel() // group_size)
+    out = flat.new_empty(shard_numel)
     rank = dist.get_rank(group)
+    parts = flat.split(shard_numel)  # the trailing ranks' parts may be short, or missing
+    out[parts[rank].numel() if rank < len(parts) else 0 :].zero_()
     works = []
     with explained_failures_in("the issue of a rooted reduce-scatter", group_name):
-        for owner, part in enumerate(flat.view(group_size, -1)):
-            target = out.copy_(part) if owner == rank else part
-            for start, stop in pieces(out):
+        for owner, part in enumerate(parts):
+            target = out[: part.numel()].copy_(part) if owner == rank else part
+            for start, stop in pieces(target):
                 works.append(
                     dist.reduce(target[start:stop], op=dist.ReduceOp.SUM, group=group, group_dst=owner, async_op=True)
                 )
@@ -75,8 +83,16 @@ def rooted_reduce_scatter(flat: Tensor, group_size: int, group_name: str) -> Ten
 
 
 @rooted_reduce_scatter.register_fake
-def _(flat: Tensor, group_size: int, group_name: str) -> Tensor:
-    return flat.new_empty(flat.numel() // group_size)
+def _(flat: Tensor, shard_numel: int, group_size: int, group_name: str) -> Tensor:
+    _check_fits(flat, shard_numel, group_size)
+    return flat.new_empty(shard_numel)
+
+
+def _check_fits(flat: Tensor, shard_numel: int, group_size: int) -> None:
+    if flat.numel() > group_size * shard_numel:
+        raise ValueError(
+            f"zpp::rooted_reduce_scatter: {flat.numel()} elements do not fit {group_size} shards of {shard_numel}"
+        )
 
 
 @torch.library.custom_op("zpp::rooted_all_gather", mutates_args=())

@@ -1,7 +1,9 @@
 import math
+import re
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from zpp_compile.codegen.quantize import (
     QMAX,
@@ -11,6 +13,7 @@ from zpp_compile.codegen.quantize import (
     quantize_int8_blocks,
     quantize_packed,
     unpack_payloads,
+    weight_from_payloads,
 )
 
 BLOCK = 64
@@ -108,3 +111,30 @@ def test_inductor_dequantizes_from_a_bucket_without_copying_the_scales_out():
         got = torch.compile(dequantize_from_bucket, fullgraph=True)(bucket)
     assert torch.equal(got, expected)
     assert torch._inductor.metrics.generated_kernel_count == 1
+
+
+@pytest.mark.parametrize(
+    ("shard", "numel"), [(3 * BLOCK, 3 * BLOCK * 4 - 100), (3 * BLOCK - 10, (3 * BLOCK - 10) * 4 - 7)]
+)
+def test_a_weight_shorter_than_its_payloads_is_written_once(shard, numel):
+    """The weight's numel short of group x shard (rows chunked over ranks: GPT-2's 50257-row
+    embedding) and, in the second case, each shard short of whole blocks: Inductor's code writes
+    the weight alone, bitwise what dequantizing the padded whole and slicing gives. Dequantized
+    whole then sliced, it wrote the padded buffer too, which nothing read."""
+    group = 4
+    full = torch.randn(group * shard)
+    payloads = torch.cat([quantize_packed(full[r * shard : (r + 1) * shard], BLOCK) for r in range(group)])
+    expected = dequantize_packed(payloads, group, shard, BLOCK, torch.float32)[:numel].view(-1, 1)
+
+    def weight(payloads: torch.Tensor) -> torch.Tensor:
+        return weight_from_payloads(payloads, numel, [numel, 1], shard, BLOCK, torch.float32)
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        got, (code,) = run_and_get_code(torch.compile(weight, fullgraph=True), payloads)
+    assert torch.equal(got, expected) and torch.equal(weight(payloads), expected)
+    sizes = [
+        math.prod(int(d) for d in s.split(",") if d.strip())
+        for s in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", code)
+    ]
+    assert [size for size in sizes if size >= numel] == [numel]

@@ -78,6 +78,54 @@ def test_rows_hit_once_and_masked_rows_are_bitwise_equal(group_of_one, pad):
     assert torch.equal(got, expected)
 
 
+def head_from_matmul(pad: int, read_head_again: bool = False, padding_idx: int = -1):
+    """tied_grad with the head's gradient a matmul result (as in a model's backward), not an input."""
+
+    def grad(hidden, grad_logits, index, rows):
+        head = grad_logits.t() @ hidden
+        summed = tied_grad(pad, padding_idx)(head, index, rows)
+        return (summed, head.sum()) if read_head_again else summed
+
+    return grad
+
+
+def matmul_example(repeats: bool = True):
+    _, index, rows = example(repeats)
+    return torch.randn(6, WIDTH), torch.randn(6, VOCAB), index, rows
+
+
+@pytest.mark.parametrize("pad", [0, 16, 13], ids=["unpadded", "whole_rows", "part_of_a_row"])
+def test_rows_go_into_a_head_gradient_of_its_own_in_place(group_of_one, pad):
+    args = matmul_example()
+    gm = traced(head_from_matmul(pad), *args)
+    expected = gm(*args)
+    gm = fold_scatter_grads(gm, backward(group_of_one))
+    after = targets(gm)
+    # No whole-weight tensor is made for the sum: the rows are written into the matmul's result,
+    # which the reduction's pad (if any) then reads.
+    assert torch.ops.zpp.add_rows.default in after
+    assert not {aten.full.default, aten.index_put.default, aten._unsafe_masked_index_put_accumulate.default} & set(
+        after
+    )
+    (write,) = [n for n in gm.graph.nodes if n.target is torch.ops.zpp.add_rows.default]
+    assert write.args[0].target is aten.mm.default
+    torch.testing.assert_close(gm(*args), expected)
+
+    # Rows hit once and masked rows (the padding index) are bitwise the same.
+    once = matmul_example(repeats=False)
+    once[2][0, 0] = 7
+    gm = traced(head_from_matmul(pad, padding_idx=7), *once)
+    expected = gm(*once)
+    assert torch.equal(fold_scatter_grads(gm, backward(group_of_one))(*once), expected)
+
+
+def test_a_head_gradient_read_elsewhere_is_not_written_into(group_of_one):
+    args = matmul_example()
+    gm = fold_scatter_grads(traced(head_from_matmul(16, read_head_again=True), *args), backward(group_of_one))
+    after = targets(gm)
+    assert torch.ops.zpp.add_rows.default not in after and aten.index_put.default in after
+
+
 @pytest.mark.parametrize("pad", [16, 13], ids=["whole_rows", "part_of_a_row"])
 def test_inductor_holds_one_whole_weight_buffer_less(group_of_one, pad):
     """What the pass is for: Inductor's code for the padded sum allocates one whole-weight buffer

@@ -42,6 +42,51 @@ def test_a_padded_gradient_is_reduced_in_place_of_its_padded_copy(group_of_one, 
     torch.testing.assert_close(gm(grad), expected)
 
 
+def matmul_reduced(group: str, write_rows: bool = False):
+    """A 5 x 2 gradient a matmul returns, lowered to a reduce-scatter padded to 12 elements; with
+    `write_rows`, a tied embedding's rows added into it first (fold_scatter_grads' in-place form)."""
+
+    def grad(a, b, index, rows):
+        g = a @ b
+        if write_rows:
+            torch.ops.zpp.add_rows(g, torch.ones(3, 1, dtype=torch.bool), index, rows)
+        return torch.ops.zpp.reduce_grad(g, 10, 12, 1, group)
+
+    args = (torch.randn(5, 3), torch.randn(3, 2), torch.tensor([4, 0, 4]), torch.randn(3, 2))
+    gm = trace(grad, *args)
+    return lower_reduce(gm, context(group, phase="backward")), args
+
+
+@pytest.mark.parametrize("write_rows", [False, True], ids=["matmul", "rows_written_into_it"])
+def test_a_gradient_of_its_own_is_reduced_without_its_zero_pad(group_of_one, every_tensor_rooted, write_rows):
+    gm, args = matmul_reduced(group_of_one, write_rows)
+    assert aten.constant_pad_nd.default in targets(gm)
+    expected = gm(*args)
+    gm = root_large_collectives(gm, context(group_of_one, phase="backward"))
+    after = targets(gm)
+    # The pad's whole-tensor copy is gone: the rooted reduce takes the flattened matmul result
+    # and the shard's size, and zero-fills the shard's tail itself.
+    assert aten.constant_pad_nd.default not in after and c10d.reduce_scatter_tensor.default not in after
+    issued = only(gm, zpp.rooted_reduce_scatter.default)
+    assert issued.args[0].target == aten.view.default and issued.args[0].args[0].target == aten.mm.default
+    assert issued.args[1:3] == (12, 1)
+    got = gm(*args)
+    assert torch.equal(got, expected) and torch.equal(got[10:], torch.zeros(2))
+
+
+def test_a_gradient_read_elsewhere_keeps_its_pad(group_of_one, every_tensor_rooted):
+    def reduce_and_read(a, b):
+        g = a @ b
+        return torch.ops.zpp.reduce_grad(g, 10, 12, 1, group_of_one), g.sum()
+
+    gm = lower_reduce(
+        trace(reduce_and_read, torch.randn(5, 3), torch.randn(3, 2)), context(group_of_one, phase="backward")
+    )
+    gm = root_large_collectives(gm, context(group_of_one, phase="backward"))
+    # Rooted, but in the padded copy: the reduce writes into its input, which `g.sum()` reads.
+    assert only(gm, zpp.rooted_reduce_scatter.default).args[0].target == aten.constant_pad_nd.default
+
+
 def test_run_as_fx_nodes_the_wait_does_not_hold_the_input(group_of_one, every_tensor_rooted):
     gm, _ = reduced(group_of_one, 10, 12)
     gm = root_large_collectives(gm, context(group_of_one, phase="backward", lowering="aot_eager"))

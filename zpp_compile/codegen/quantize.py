@@ -11,7 +11,7 @@ Triton kernels (triton_quantize.py) write and read exactly this layout.
 
 Inductor 2.13 on CPU miscompiles "int8 * scale, reshape, slice each row, flatten" (values of
 1e18 came out, even without collectives); dequantize_packed therefore drops each rank's
-padding with an index gather instead of a row slice.
+padding, and the padding past the weight's end, with an index gather instead of a slice.
 
 Special values, by design:
   * an all-zero block has scale 0 and dequantizes to exact zeros (no division by zero);
@@ -23,7 +23,7 @@ Special values, by design:
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -114,15 +114,23 @@ def quantize_packed(shard: Tensor, block: int) -> Tensor:
     return pack_payload(*quantize_int8_blocks(shard, block))
 
 
-def dequantize_packed(payloads: Tensor, group_size: int, shard_numel: int, block: int, dtype: torch.dtype) -> Tensor:
-    """All ranks' payloads, concatenated -> the flat full tensor (shard_numel * group_size) in `dtype`."""
+def dequantize_packed(
+    payloads: Tensor, group_size: int, shard_numel: int, block: int, dtype: torch.dtype, numel: Optional[int] = None
+) -> Tensor:
+    """All ranks' payloads, concatenated -> the flat full tensor in `dtype`: its first `numel`
+    elements (all group_size * shard_numel by default)."""
     nb = num_blocks(shard_numel, block)
     q, scale = unpack_payloads(payloads, group_size, shard_numel, block)
-    values = dequantize_int8_blocks(q, scale, dtype).reshape(-1)
-    if nb * block == shard_numel:
-        return values
-    i = torch.arange(group_size * shard_numel, device=values.device)
-    return values[(i // shard_numel) * (nb * block) + i % shard_numel]  # see the module docstring
+    total = group_size * shard_numel if numel is None else numel
+    if nb * block == shard_numel and total == group_size * shard_numel:
+        return dequantize_int8_blocks(q, scale, dtype).reshape(-1)
+    # Padding inside a rank's blocks or past the weight's end: each element read from its rank's
+    # payload by index (see the module docstring), so only the weight is written. Dequantizing the
+    # padded whole and slicing it made Inductor write both, the padded buffer unread (2 x 147 MB
+    # and 2.3x the time for GPT-2's embedding on 4 ranks).
+    i = torch.arange(total, device=payloads.device)
+    rank, within = i // shard_numel, i % shard_numel
+    return (q.reshape(group_size, -1)[rank, within].float() * scale[rank, within // block]).to(dtype)
 
 
 def weight_from_payloads(
@@ -136,4 +144,6 @@ def weight_from_payloads(
 ) -> Tensor:
     """Gathered payloads (each for `shard_numel` values) -> the full weight: unpadded, shaped."""
     n_payloads = gathered.numel() // payload_numel(shard_numel, block)
+    if dequantize is dequantize_packed:  # torch code: the weight alone, not a padded whole sliced
+        return dequantize_packed(gathered, n_payloads, shard_numel, block, dtype, numel).view(shape)
     return dequantize(gathered, n_payloads, shard_numel, block, dtype)[:numel].view(shape)

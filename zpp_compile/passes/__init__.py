@@ -58,8 +58,8 @@ BACKWARD_PASSES: list[GraphPass] = [
     lower_replicated,
     qgz,
     lower_reduce,
-    fold_scatter_grads,
     *SCHEDULING_PASSES,
+    fold_scatter_grads,  # after scheduling: it writes in place, which their data dependences miss
     root_large_collectives,
 ]
 

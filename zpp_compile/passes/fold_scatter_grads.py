@@ -5,18 +5,29 @@ gradients in the backward, and autograd adds them. The embedding's is a scatter 
 rows into a zero-filled buffer of the whole weight, and the reduction then pads the sum to whole
 shards: three whole-weight tensors at once (the head's gradient, the zero-filled buffer and the
 padded sum; 441 MB for GPT-2's 50257 x 768 embedding, the backward's peak under Inductor).
-Scattering the rows into the head's gradient, padded first when the reduction pads, holds two.
+Scattering the rows into the head's gradient holds at most two, and one where the head's
+gradient is a buffer only the sum reads (a matmul's result): the rows are written into it.
 
 Before (lower_reduce or qgz has run):
          z = aten.full([V, C], 0)
          s = aten._unsafe_masked_index_put_accumulate(z, mask, [idx], rows)     rows: [*idx.shape, C]
          g = aten.add(other, s)                                                (either order)
          flat = aten.constant_pad_nd(aten.view(g, [-1]), [0, pad])             (the reduction's padding)
+After, in place (`other` is a buffer of its own only the sum reads; graph_utils.is_fresh_buffer):
+         zpp.add_rows(other, mask, idx, rows)                                  (scatter_ops.py)
+         flat = aten.constant_pad_nd(aten.view(other, [-1]), [0, pad])
 After, padded (static shapes):
          flat = aten.index_put(pad(other, pad // C rows), [row(idx)], where(mask, rows, 0), True).view(-1)
          (a pad of part of a row: into the flat copy, at row(idx) * C + arange(C))
 After, not padded (the sum has other readers, or shapes are symbolic):
          g = aten._unsafe_masked_index_put_accumulate(other, mask, [idx], rows)
+
+In place, the pad that follows is a copy of `other` (a second whole-weight tensor) unless the
+reduction takes the unpadded tensor: root_large_collectives' rooted reduce-scatter does. The write
+runs between regions in a graph compiled by region (zpp.add_rows is a region boundary), where the
+head's gradient is the last region's input, which Inductor never overwrites. The pass runs after
+the scheduling passes: they move a collective's inputs up to its start by data dependence, which
+does not see the write.
 
 The sum is the same up to rounding: a row the batch hits k times is added to `other` one token at
 a time ((other + r1) + r2 ...) instead of as its own sum first (other + (r1 + r2 ...)); a row hit
@@ -39,6 +50,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..scatter_ops import masked_rows
 from .context import PassContext
 from .graph_utils import (
     aten,
@@ -48,12 +60,14 @@ from .graph_utils import (
     inline_traced,
     insert_call,
     is_call,
+    is_fresh_buffer,
     replace_node,
     tensor_val,
 )
 
 log = logging.getLogger(__name__)
 
+zpp = torch.ops.zpp
 _SCATTER = aten._unsafe_masked_index_put_accumulate.default
 
 
@@ -65,7 +79,9 @@ def fold_scatter_grads(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         scatter, other = match
         padding = _padding_of(add)
-        if padding is not None and _static(other, *_scatter_inputs(scatter)):
+        if is_fresh_buffer(other) and len(other.users) == 1:
+            _fold_in_place(gm.graph, add, scatter, other)
+        elif padding is not None and _static(other, *_scatter_inputs(scatter)):
             _fold_padded(gm.graph, scatter, other, padding, ctx.decompositions)
         else:
             _fold_unpadded(gm.graph, add, scatter, other)
@@ -84,9 +100,7 @@ def scatter_rows_padded(other: Tensor, mask: Tensor, index: Tensor, rows: Tensor
     """`other` flattened and zero-padded by `pad` elements, plus `rows` scattered into it as
     aten._unsafe_masked_index_put_accumulate(other, mask, [index], rows) would add them."""
     vocab, width = other.shape
-    row = index.clamp(-vocab, vocab - 1)
-    row = torch.where(row < 0, row + vocab, row)
-    values = torch.where(mask, rows, 0)
+    row, values = masked_rows(vocab, mask, index, rows)
     if pad % width == 0:  # whole rows (the shards are cut by rows): index rows, not elements
         padded = F.pad(other, (0, 0, 0, pad // width))
         return padded.index_put((row,), values, accumulate=True).view(-1)
@@ -105,6 +119,12 @@ def _fold_padded(
     add = view.args[0]
     graph.erase_node(view)
     graph.erase_node(add)
+
+
+def _fold_in_place(graph: fx.Graph, add: fx.Node, scatter: fx.Node, other: fx.Node) -> None:
+    with graph.inserting_before(add):
+        insert_call(graph, zpp.add_rows.default, other, *_scatter_inputs(scatter))
+    replace_node(add, other)
 
 
 def _fold_unpadded(graph: fx.Graph, add: fx.Node, scatter: fx.Node, other: fx.Node) -> None:

@@ -10,8 +10,10 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._inductor.fx_passes.post_grad import noop_registry
 from torch.utils._pytree import tree_map_only
 
+from ..cost_model import returns_alias
 from .trace_cache import cached_trace, copy_fake_values
 
 aten = torch.ops.aten
@@ -93,6 +95,22 @@ def is_view_or_cast(node: fx.Node) -> bool:
     if schema is None or schema.is_mutable:
         return False
     return len(schema.returns) == 1 and schema.returns[0].alias_info is not None
+
+
+def is_fresh_buffer(node: fx.Node) -> bool:
+    """Whether `node` is a tensor of its own that a later op may write into: an op returns it new
+    (its schema marks no alias) and Inductor never replaces the op by its input (post_grad's
+    no-op table: a clone, a one-part cat or a zero pad dropped after the pass would make the write
+    land in the tensor they copied; `_unsafe_view`, a view its schema does not mark)."""
+    return (
+        node.op == "call_function"
+        and hasattr(node.target, "_schema")
+        and not returns_alias(node)
+        and node.target not in _NOT_FRESH
+    )
+
+
+_NOT_FRESH = (*noop_registry, aten._unsafe_view.default)
 
 
 def graph_input_of(node: fx.Node) -> fx.Node:

@@ -6,11 +6,13 @@ For tensors of at least eager_collectives.ROOTED_MIN_BYTES on a group gloo carri
 swaps the functional collective for rooted_ops.py's asynchronous per-owner form, issued and
 waited on where the functional one was, so the overlap the scheduling passes set up is kept.
 
-Before:  r = _c10d_functional.reduce_scatter_tensor(flat, "sum", n, group)
+Before:  padded = aten.constant_pad_nd(aten.view(g, [-1]), [0, p])    (lower_reduce's zero pad, if any)
+         r = _c10d_functional.reduce_scatter_tensor(padded, "sum", n, group)
          r = _c10d_functional.wait_tensor(r)
          ... = use(r)
-After:   r = zpp.rooted_reduce_scatter(flat, n, group)        # reduces `flat` in place
-         zpp.wait_rooted(r, flat)                             # `flat` kept alive to here
+After:   flat = aten.view(g, [-1])
+         r = zpp.rooted_reduce_scatter(flat, r's numel, n, group)  # reduces `flat` in place
+         zpp.wait_rooted(r, flat)                                   # `flat` kept alive to here
          ... = use(r)
 
 Before:  g = _c10d_functional.all_gather_into_tensor(shard, n, group)
@@ -18,9 +20,11 @@ Before:  g = _c10d_functional.all_gather_into_tensor(shard, n, group)
 After:   g = zpp.rooted_all_gather(shard, n, group)
          zpp.wait_rooted(g, None)
 
-A reduce-scatter is rooted only when its input is a buffer of its own that nothing else reads (the
-pad or concatenation lower_reduce and bucketing make; not a view of a gradient, not a graph
-input), because the rooted form overwrites it. Runs last: it changes how a collective travels,
+A reduce-scatter is rooted only when its input is a buffer of its own that nothing else reads
+(a gradient a matmul returns, which fold_scatter_grads' zpp.add_rows may have written into; the
+pad or concatenation lower_reduce and bucketing make; not a view of another tensor, not a graph
+input), because the rooted form overwrites it. Under a zero pad it takes the gradient itself when
+that is such a buffer: the rooted form reads no padding, so the pad's whole-tensor copy goes. Runs last: it changes how a collective travels,
 not which collectives there are or where they start and finish. Other backends (NCCL) stage
 nothing and keep the functional form; Inductor's _out all-gather form is kept as well.
 """
@@ -32,14 +36,12 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch._inductor.fx_passes.post_grad import noop_registry
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .. import eager_collectives
-from ..cost_model import returns_alias
 from .bucket_collectives import collectives_run_outside_inductor, is_plain_copy_into_slot_of
 from .context import PassContext
-from .graph_utils import aten, c10d, calls, finish, insert_call, is_call, tensor_val
+from .graph_utils import aten, c10d, calls, finish, insert_call, is_call, is_fresh_buffer, tensor_val
 
 log = logging.getLogger(__name__)
 zpp = torch.ops.zpp
@@ -89,7 +91,7 @@ def _payload(start: fx.Node) -> Optional[fx.Node]:
         return start.args[0]
     if start.target == c10d.all_gather_into_tensor_out.default:
         return _payload_of_gather_out(start)
-    return start.args[0] if _reduces_a_buffer_of_its_own(start) else None
+    return _reduced_buffer(start)
 
 
 def _payload_of_gather_out(gather: fx.Node) -> Optional[fx.Node]:
@@ -106,40 +108,53 @@ def _payload_of_gather_out(gather: fx.Node) -> Optional[fx.Node]:
     return copied if is_plain_copy_into_slot_of(out, slot, copied) else None
 
 
-def _reduces_a_buffer_of_its_own(start: fx.Node) -> bool:
-    """The rooted reduce-scatter overwrites its input: it must be a fresh buffer (through views of
-    it) that only the collective reads, with a "sum". Fresh: a non-zero pad, a concatenation of
-    two or more parts nothing else reads (Inductor may compute those straight into the
-    concatenation's buffer and let their other readers read it there), or an op that returns a
-    new tensor and that Inductor never replaces by its input (post_grad's no-op table: a clone, a
-    one-part cat, a zero pad would be dropped after this pass, and the reduce would write into
-    the tensor they copied)."""
-    source = start.args[0]
-    while is_call(source, aten.view.default) and len(source.users) == 1:
-        source = source.args[0]
-    if start.args[1] != "sum" or len(source.users) != 1:
-        return False
-    if is_call(source, aten.constant_pad_nd.default):
-        return any(source.args[1])
-    if is_call(source, aten.cat.default):
-        return len(source.args[0]) > 1 and all(len(part.users) == 1 for part in source.args[0])
-    return _returns_new_tensor(source) and source.target not in _NOT_FRESH
+def _reduced_buffer(start: fx.Node) -> Optional[fx.Node]:
+    """What the rooted reduce-scatter reduces in place, or None where the functional one stays.
+    The rooted form reads no padding (shards past its input's end count as zeros), so under the
+    reduction's zero pad it takes the unpadded tensor where that is a buffer of its own: the
+    pad's copy is then never made. Otherwise the tensor the collective reads, if it is one."""
+    if start.args[1] != "sum":
+        return None
+    sent = start.args[0]
+    if is_call(sent, aten.constant_pad_nd.default) and _zero_padded_at_end(sent) and _writable(sent.args[0], sent):
+        return sent.args[0]
+    return sent if _writable(sent, start) else None
 
 
-# Ops Inductor may replace by their input after this pass, and a view its schema does not mark.
-_NOT_FRESH = (*noop_registry, aten._unsafe_view.default)
+def _zero_padded_at_end(pad: fx.Node) -> bool:
+    value = pad.args[2] if len(pad.args) > 2 else pad.kwargs.get("value", 0)
+    return len(pad.args[1]) == 2 and pad.args[1][0] == 0 and value == 0
 
 
-def _returns_new_tensor(node: fx.Node) -> bool:
-    return node.op == "call_function" and hasattr(node.target, "_schema") and not returns_alias(node)
+def _writable(node: fx.Node, reader: fx.Node) -> bool:
+    """`node` re-views (through views each read only by the next) a buffer of its own that nothing
+    reads but `reader`; fold_scatter_grads' zpp.add_rows may have written into it before."""
+    while is_call(node, aten.view.default) and list(node.users) == [reader]:
+        node, reader = node.args[0], node
+    readers = [u for u in node.users if not (is_call(u, zpp.add_rows.default) and u.args[0] is node)]
+    return readers == [reader] and _is_own_buffer(node)
+
+
+def _is_own_buffer(node: fx.Node) -> bool:
+    """A non-zero pad; a concatenation of two or more parts nothing else reads (Inductor may
+    compute those straight into the concatenation's buffer and let their other readers read it
+    there); any other op that returns a new tensor Inductor keeps (graph_utils.is_fresh_buffer)."""
+    if is_call(node, aten.constant_pad_nd.default):
+        return any(node.args[1])
+    if is_call(node, aten.cat.default):
+        return len(node.args[0]) > 1 and all(len(part.users) == 1 for part in node.args[0])
+    return is_fresh_buffer(node)
 
 
 def _swap(graph: fx.Graph, start: fx.Node, wait: fx.Node, payload: fx.Node, keep_input: bool) -> None:
     gather = start.target in _GATHERS
     group_size, group_name = start.args[-2], start.args[-1]
     with graph.inserting_before(start):
-        op = zpp.rooted_all_gather.default if gather else zpp.rooted_reduce_scatter.default
-        issued = insert_call(graph, op, payload, group_size, group_name)
+        if gather:
+            issued = insert_call(graph, zpp.rooted_all_gather.default, payload, group_size, group_name)
+        else:  # the shard's size: the payload may be the reduction's input before its zero pad
+            shard_numel = tensor_val(start).numel()
+            issued = insert_call(graph, zpp.rooted_reduce_scatter.default, payload, shard_numel, group_size, group_name)
     issued.meta["custom"] = dict(start.meta.get("custom", {}))
     with graph.inserting_before(wait):
         insert_call(graph, zpp.wait_rooted.default, issued, payload if keep_input and not gather else None)
