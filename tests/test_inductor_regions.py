@@ -27,6 +27,7 @@ from zpp_compile.passes.graph_utils import COLLECTIVE_STARTS
 from .passes.helpers import context, gathered_layers, gathering_layers
 
 c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
 
 
 def _layers(group: str, layers: int):
@@ -108,6 +109,46 @@ def test_what_is_computed_from_no_input_is_computed_in_its_readers_region(group_
     compiled = compile_regions(gm, compile_region)
     assert torch.int64 not in {dtype for inputs in region_inputs for dtype in inputs}
     torch.testing.assert_close(compiled([x])[0], want[0])
+
+
+def test_rows_written_in_place_between_regions_reach_the_next_region(group_of_one):
+    """fold_scatter_grads' zpp.add_rows writes into a matmul result one region returns; it runs
+    between regions (a boundary), and the region after it reads the written tensor. With real
+    Inductor, whose code also empties each region's input list."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    from zpp_compile.passes import fold_scatter_grads
+
+    vocab, width = 20, 8
+
+    def fn(hidden, grad_logits, index, rows):
+        head = grad_logits.t() @ hidden
+        scale = c10d.wait_tensor(c10d.all_reduce(rows.sum(), "sum", group_of_one))
+        summed = head + aten.embedding_dense_backward(rows, index, vocab, -1, False)
+        return (summed * scale,)
+
+    torch.manual_seed(0)
+    args = [torch.randn(6, width), torch.randn(6, vocab), torch.randint(0, vocab, (2, 5)), torch.randn(2, 5, width)]
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+    ctx = dataclasses.replace(context(group_of_one, phase="backward"), decompositions=select_decomp_table())
+    gm = fold_scatter_grads(gm, ctx)
+    assert torch.ops.zpp.add_rows.default in {n.target for n in gm.graph.nodes}
+    left_in_list: list[int] = []
+
+    def compile_region(graph, fake_inputs):
+        compiled = compile_fx_inner(graph, fake_inputs)
+
+        def run(inputs):
+            outputs = compiled(inputs)
+            left_in_list.append(len(inputs))
+            return outputs
+
+        return run
+
+    compiled = compile_regions(gm, compile_region)
+    assert torch.ops.zpp.add_rows.default in {n.target for n in gm.graph.nodes}  # in the outer graph
+    torch.testing.assert_close(compiled(list(args))[0], fn(*args)[0])
+    assert left_in_list and set(left_in_list) == {0}
 
 
 def test_identical_layers_compile_once(group_of_one):

@@ -231,7 +231,8 @@ def sink_input_free_nodes(graph: fx.Graph) -> None:
     computes it inline. Left where a pass put it, above a collective's wait, it went into the
     region before and crossed the cut as a real tensor: full ZeRO++ on GPT-2 passed two int64
     index tensors of the embedding's size (2 x 309 MB) from region to region. Random draws stay
-    where they are: moving one would reorder the generator's stream."""
+    where they are: moving one would reorder the generator's stream; so do zpp's own ops, which
+    may read state another op writes (qgZ's error feedback)."""
     free: set[fx.Node] = set()
     for node in graph.nodes:
         if (
@@ -240,6 +241,7 @@ def sink_input_free_nodes(graph: fx.Graph) -> None:
             and not is_boundary(node)
             and not is_random(node)
             and not node.is_impure()
+            and getattr(node.target, "namespace", None) != "zpp"  # ef_load reads state ef_store writes
             and all(arg in free for arg in node.all_input_nodes)
         ):
             free.add(node)

@@ -36,7 +36,7 @@ scatter whose only reader is the add, one index tensor into a 2-D weight, both o
 add's shape, strides and dtype (no broadcast, no type promotion, no relayout) and no `alpha`.
 Indices keep the masked op's meaning: clamped to [-V, V - 1], negative ones counted from the end,
 masked rows add zero. qgZ's traced reduction pads the gradient the same way, so it gets the
-padded form too.
+same forms.
 """
 
 from __future__ import annotations
