@@ -269,6 +269,9 @@ def main() -> None:
         f"val loss {val_loss:.4f}")  # fmt: skip
     if rank == 0:
         write_outputs(Path(args.out_dir), mode, records, summary, val_loss)
+    # Every rank done before any tears its group down. A mitigation, cause not confirmed: under
+    # load a rank now and then aborted at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
