@@ -63,6 +63,7 @@ from .graph_utils import (
     is_fresh_buffer,
     replace_node,
     tensor_val,
+    zero_pad_at_end,
 )
 
 log = logging.getLogger(__name__)
@@ -184,10 +185,5 @@ def _padding_of(add: fx.Node) -> Optional[tuple[fx.Node, fx.Node, int]]:
     if view is None or not is_call(view, aten.view.default) or list(view.args[1]) != [-1] or len(view.users) != 1:
         return None
     (padded,) = view.users
-    if not is_call(padded, aten.constant_pad_nd.default) or len(padded.args[1]) != 2 or padded.args[1][0] != 0:
-        return None
-    pad = padded.args[1][1]
-    value = padded.args[2] if len(padded.args) > 2 else padded.kwargs.get("value", 0)
-    if type(pad) is not int or pad < 0 or value != 0:
-        return None
-    return view, padded, pad
+    pad = zero_pad_at_end(padded)
+    return None if pad is None else (view, padded, pad)

@@ -152,6 +152,15 @@ def flatten_padded(graph: fx.Graph, tensor: fx.Node, target_numel: int) -> fx.No
     return flat
 
 
+def zero_pad_at_end(node: fx.Node) -> Optional[int]:
+    """p where `node` is constant_pad_nd(x, [0, p]) with value 0 (what flatten_padded builds), else None."""
+    if not is_call(node, aten.constant_pad_nd.default) or len(node.args[1]) != 2 or node.args[1][0] != 0:
+        return None
+    pad = node.args[1][1]
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    return pad if type(pad) is int and pad >= 0 and value == 0 else None
+
+
 def is_random(node: fx.Node) -> bool:
     """A node drawing from a random generator (rand, randn, bernoulli, dropout, randperm, ...)."""
     return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())

@@ -24,9 +24,10 @@ A reduce-scatter is rooted only when its input is a buffer of its own that nothi
 (a gradient a matmul returns, which fold_scatter_grads' zpp.add_rows may have written into; the
 pad or concatenation lower_reduce and bucketing make; not a view of another tensor, not a graph
 input), because the rooted form overwrites it. Under a zero pad it takes the gradient itself when
-that is such a buffer: the rooted form reads no padding, so the pad's whole-tensor copy goes. Runs last: it changes how a collective travels,
-not which collectives there are or where they start and finish. Other backends (NCCL) stage
-nothing and keep the functional form; Inductor's _out all-gather form is kept as well.
+that is such a buffer: the rooted form reads no padding, so the pad's whole-tensor copy goes.
+Runs last: it changes how a collective travels, not which collectives there are or where they
+start and finish. Other backends (NCCL) stage nothing and keep the functional form; Inductor's
+_out all-gather form is kept as well.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from .. import eager_collectives
 from .bucket_collectives import collectives_run_outside_inductor, is_plain_copy_into_slot_of
 from .context import PassContext
-from .graph_utils import aten, c10d, calls, finish, insert_call, is_call, is_fresh_buffer, tensor_val
+from .graph_utils import aten, c10d, calls, finish, insert_call, is_call, is_fresh_buffer, tensor_val, zero_pad_at_end
 
 log = logging.getLogger(__name__)
 zpp = torch.ops.zpp
@@ -116,14 +117,9 @@ def _reduced_buffer(start: fx.Node) -> Optional[fx.Node]:
     if start.args[1] != "sum":
         return None
     sent = start.args[0]
-    if is_call(sent, aten.constant_pad_nd.default) and _zero_padded_at_end(sent) and _writable(sent.args[0], sent):
+    if zero_pad_at_end(sent) is not None and _writable(sent.args[0], sent):
         return sent.args[0]
     return sent if _writable(sent, start) else None
-
-
-def _zero_padded_at_end(pad: fx.Node) -> bool:
-    value = pad.args[2] if len(pad.args) > 2 else pad.kwargs.get("value", 0)
-    return len(pad.args[1]) == 2 and pad.args[1][0] == 0 and value == 0
 
 
 def _writable(node: fx.Node, reader: fx.Node) -> bool:
