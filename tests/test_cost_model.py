@@ -39,6 +39,7 @@ def _shard_with_nothing_remembered(folder: str) -> tuple[bool, bool]:
     from pathlib import Path
 
     import torch
+    import torch.distributed as dist
 
     from zpp_compile import cost_model
 
@@ -50,7 +51,9 @@ def _shard_with_nothing_remembered(folder: str) -> tuple[bool, bool]:
         model = build("gpt")
         before = torch.get_rng_state()
         zpp_compile.shard(model, zpp_compile.Config())
-        return torch.equal(torch.get_rng_state(), before), any(Path(folder).glob("rates-*.json"))
+        untouched = torch.equal(torch.get_rng_state(), before)
+        dist.barrier()  # only local rank 0 writes the file: the others look once it has
+        return untouched, any(Path(folder).glob("rates-*.json"))
     finally:
         cost_model._rates_folder = saved
         zpp_compile.reset()
