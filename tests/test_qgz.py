@@ -180,6 +180,25 @@ def test_qgz_training_tracks_fp32_and_sends_int4_across_nodes(pools):
     assert qgz["all_to_alls_per_step"] == 2  # the whole backward graph fits one 25 MiB bucket
 
 
+def error_feedback_under_each_lowering(steps: int) -> dict[str, list[float]]:
+    """qgZ with error feedback on 2 nodes x 2: the losses under Inductor and as FX graphs."""
+    config = zpp_compile.Config(
+        ranks_per_node=2, gradient_block_size=BLOCK, quantize_gradients=True, qgz_error_feedback=True
+    )
+    # Regions as a model of 4+ blocks gets them by default: a region checks its inputs' strides.
+    lowerings = {"inductor": {"inductor_regions": True}, "aot_eager": {"lowering": "aot_eager"}}
+    return {
+        name: _qgz_curve(dataclasses.replace(config, **options), steps)["losses"] for name, options in lowerings.items()
+    }
+
+
+def test_error_feedback_trains_under_inductor_as_in_fx_graphs(pools):
+    # The in-node stage loads its error as a transposed view: a load that returned other strides
+    # than its fake kernel said failed the stride check of the region reading it at step 2.
+    for losses in pools(4).run(error_feedback_under_each_lowering, 3):
+        assert losses["inductor"] == pytest.approx(losses["aot_eager"], rel=1e-4), losses
+
+
 def qgz_bucketing(steps: int) -> dict:
     """qgZ training of the uneven MLP under Inductor, with buckets and with one message per parameter."""
     config = zpp_compile.Config(ranks_per_node=2, gradient_block_size=BLOCK, quantize_gradients=True)

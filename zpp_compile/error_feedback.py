@@ -89,7 +89,9 @@ def ef_load(like: Tensor, slot: int) -> Tensor:
     stored = _ERRORS.get(slot)
     if stored is None or stored.shape != like.shape:
         return torch.zeros_like(like)
-    return stored.to(like.dtype)  # a new tensor: the stored one is never handed to a graph
+    # A new tensor (the stored one is never handed to a graph) with `like`'s strides, as the fake
+    # kernel says: Inductor checks them, and the pass hands a transposed view as `like`.
+    return torch.empty_like(like).copy_(stored)
 
 
 @ef_load.register_fake
