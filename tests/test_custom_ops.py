@@ -1,0 +1,57 @@
+"""torch.library.opcheck on zpp's custom ops that run without a process group: each fake kernel
+says what the real one returns (shape, dtype and strides), on the non-contiguous inputs the
+passes hand them. Inductor checks a region's input strides against the fake kernel's, so a
+mismatch fails a compiled step (ef_load did, under regions, at the second step).
+The collective ops are checked in real process groups: tests/test_rooted_ops.py, test_training.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import zpp_compile  # noqa: F401  (registers the ops)
+from zpp_compile import grad_sync, scatter_ops  # noqa: F401
+from zpp_compile.error_feedback import clear_error_feedback, new_slot
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    yield
+    clear_error_feedback()
+    grad_sync.clear_gradient_buffers()
+
+
+def _transposed(*shape: int) -> torch.Tensor:
+    """A [a, b, ...] view of a contiguous [b, a, ...] tensor, as qgZ's in-node stage loads its error."""
+    return torch.randn(shape[1], shape[0], *shape[2:]).transpose(0, 1)
+
+
+def test_ef_load_returns_its_inputs_strides_with_and_without_a_stored_error():
+    like = _transposed(2, 2, 8)
+    slot = new_slot()
+    opcheck(torch.ops.zpp.ef_load, (like, slot))  # nothing stored: zeros
+    torch.ops.zpp.ef_store(torch.randn(2, 2, 8), slot)
+    opcheck(torch.ops.zpp.ef_load, (like, slot))
+    loaded = torch.ops.zpp.ef_load(like, slot)
+    assert loaded.stride() == like.stride() and loaded.abs().sum() > 0
+
+
+def test_ef_store():
+    opcheck(torch.ops.zpp.ef_store, (_transposed(2, 3, 8), new_slot()))
+
+
+def test_add_rows():
+    # The embedding's backward: a mask over the token positions, rows repeated and out of range.
+    grad, index = torch.zeros(7, 4), torch.tensor([[0, 6, 6], [-1, 2, 9]])
+    opcheck(torch.ops.zpp.add_rows, (grad, (index != 2).unsqueeze(-1), index, torch.randn(2, 3, 4)))
+
+
+def test_owned_copy_of_a_strided_slice():
+    opcheck(torch.ops.zpp.owned_copy, (torch.randn(6, 8)[:, 2:5],))
+
+
+def test_gradient_accumulation_ops():
+    grad = _transposed(3, 4)
+    opcheck(torch.ops.zpp.accumulate_grad, (grad, 0, "w"))
+    opcheck(torch.ops.zpp.flush_grad, (grad, 0, "w"))
