@@ -72,3 +72,39 @@ def test_a_graph_calling_a_triton_kernel_is_not_kept_even_inside_a_subgraph():
     outer.add_submodule("subgraph_0", _graph_calling(wrapper))  # as a higher-order op holds its body
     phase = RewrittenPhase.of("forward", outer, (), ())
     assert phase.unkept is not None and "Triton kernel" in phase.unkept, phase.unkept
+
+
+def _inductor_cache_outcome(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> str:
+    """Compile gm as zeropp's lowering does and say whether Inductor's FX-graph cache had it."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from zpp_compile import backend, compile_timing
+
+    before = compile_timing.fx_graph_cache_counts()
+    # Inductor caches only a graph traced with a shape environment, as Dynamo's are.
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True))):
+        backend._compile_unbatched(fx.GraphModule(gm, gm.graph), inputs)
+    hits, misses, _ = (b - a for a, b in zip(before, compile_timing.fx_graph_cache_counts()))
+    return "hit" if hits and not misses else "miss" if misses and not hits else f"{hits} hits, {misses} misses"
+
+
+def test_inductors_cache_misses_when_zpp_compiles_code_changes(tmp_path, monkeypatch):
+    """Inductor keys a custom op by its name only: a graph calling zpp's ops, compiled by other
+    code (an older fake kernel's strides), must not be loaded."""
+    import torch._inductor.config as inductor_config
+
+    from zpp_compile import aot_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = [torch.randn(8, 4)]
+    gm = make_fx(lambda x: (torch.ops.zpp.owned_copy(x[:, 1:3]) * 2,))(*inputs)
+    outcomes = []
+    with inductor_config.patch(fx_graph_cache=True, force_disable_caches=False):
+        for version in ("a", "a", "b"):
+            monkeypatch.setattr(aot_cache, "code_version", lambda v=version: v * 16)
+            outcomes.append(_inductor_cache_outcome(gm, inputs))
+    assert outcomes == ["miss", "hit", "miss"], outcomes

@@ -17,7 +17,8 @@ kernels forced by ZPP_QUANT_KERNELS and the cost model's rates (the scheduling p
 them). Config fields only the lowering and the run-time wrappers read (check_schedule,
 collective_timeout_s, share_compiles, batch_cpu_kernels) are left out: a hit lowers with the new Config. The tag is
 torch's `cache_key_tag`, set only while AOTAutograd computes its key; Inductor's compiles inside
-see the user's own tag, so the regions the ranks of a host share keep one key.
+see the user's own tag plus zpp_compile's code version (tagged_with_code), so the regions the
+ranks of a host share keep one key.
 
 Not cached (the compile runs as before; GraphRecord.aot_cache says why): Config(plan="auto") (the
 plan depends on rates measured in this process), qgZ error feedback (its state slots are numbered
@@ -266,6 +267,18 @@ def inductor_own_settings() -> Iterator[None]:
         functorch_config.patch(bundled_autograd_cache=False),
         compiler_config.patch(cache_key_tag=user_tag),
     ):
+        yield
+
+
+@contextlib.contextmanager
+def tagged_with_code() -> Iterator[None]:
+    """Inductor's compiles of zeropp's graphs keyed by zpp_compile's code as well. Inductor's
+    FX-graph cache key names a custom op, not its kernels: a graph calling zpp's ops, compiled
+    against an older fake kernel (other output strides), was loaded and failed its stride check.
+    The ranks of a host run the same code, so they still share each region's entry."""
+    import torch.compiler.config as compiler_config
+
+    with compiler_config.patch(cache_key_tag=f"{compiler_config.cache_key_tag}zpp-code-{code_version()[:16]}"):
         yield
 
 

@@ -387,7 +387,7 @@ def _compile_unbatched(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: 
 
     from . import cpp_index_strides  # imports Inductor's C++ code generation: only once the backend compiles
 
-    with cpp_index_strides.plain_strides():
+    with cpp_index_strides.plain_strides(), aot_cache.tagged_with_code():
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 

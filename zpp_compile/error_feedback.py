@@ -88,15 +88,16 @@ def stored_error_bytes() -> int:
 def ef_load(like: Tensor, slot: int) -> Tensor:
     stored = _ERRORS.get(slot)
     if stored is None or stored.shape != like.shape:
-        return torch.zeros_like(like)
-    # A new tensor (the stored one is never handed to a graph) with `like`'s strides, as the fake
-    # kernel says: Inductor checks them, and the pass hands a transposed view as `like`.
-    return torch.empty_like(like).copy_(stored)
+        return like.new_zeros(like.shape)
+    # A new tensor (the stored one is never handed to a graph), contiguous whatever `like`'s
+    # layout: Inductor checks the strides against the fake kernel's, and may lay out `like` (a
+    # transposed view in the pass) otherwise than the traced graph did.
+    return stored.to(like.dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 @ef_load.register_fake
 def _(like: Tensor, slot: int) -> Tensor:
-    return torch.empty_like(like)
+    return like.new_empty(like.shape)
 
 
 @torch.library.custom_op("zpp::ef_store", mutates_args=())
