@@ -22,9 +22,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import publish  # noqa: E402
-from benchmarks.qgz_convergence import ROOT, plot, train  # noqa: E402
+from benchmarks.qgz_convergence import MODES, ROOT, RUNS, plot, train_with  # noqa: E402
 
-LABELS = ("fp32 reduce-scatter", "qwZ+hpZ+qgZ", "qwZ+hpZ+qgZ + error feedback")
+NOISE_FLOOR = "fp32, FX graphs (rounding only)"
+# label -> (train_gpt.py flags, the mode its outputs are named by). The second run is fp32 again,
+# lowered by aot_eager instead of Inductor: the same training up to float rounding, whose gap to
+# the first is what chaos alone makes of a perturbation that small.
+CONFIGS = {
+    "fp32 reduce-scatter": (RUNS["fp32 reduce-scatter"], MODES["fp32 reduce-scatter"]),
+    NOISE_FLOOR: (["--lowering", "aot_eager"], "compiled-aot_eager"),
+    **{label: (RUNS[label], MODES[label]) for label in ("qwZ+hpZ+qgZ", "qwZ+hpZ+qgZ + error feedback")},
+    # LoCo's blend of the stored error (Config.qgz_error_beta; the default 0 feeds it all back).
+    "qwZ+hpZ+qgZ + error feedback, beta 0.8": (
+        [*RUNS["qwZ+hpZ+qgZ + error feedback"], "--qgz-error-beta", "0.8"],
+        MODES["qwZ+hpZ+qgZ + error feedback"] + "+beta0.8",
+    ),
+}
+LABELS = tuple(CONFIGS)
 MODEL = ["--n-layer", "6", "--n-embd", "384", "--n-head", "6"]
 TAIL = 100  # the last steps averaged: one step's loss on 256 tokens is noisy
 
@@ -38,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--val-batches", type=int, default=64, help="held-out batches per rank (64: 16K tokens)")
     return p.parse_args()
 
 
@@ -45,12 +60,12 @@ def run_all(args: argparse.Namespace) -> dict[str, dict[int, tuple[dict, list[fl
     """results[label][seed] = (summary, losses), seeds outermost so a cut-short run still compares."""
     results: dict[str, dict[int, tuple[dict, list[float]]]] = {label: {} for label in LABELS}
     extra = [*MODEL, "--batch-size", str(args.batch_size), "--block-size", str(args.block_size), "--lr",
-             str(args.lr), "--log-every", str(args.steps)]  # fmt: skip
+             str(args.lr), "--log-every", str(args.steps), "--val-batches", str(args.val_batches)]  # fmt: skip
     for seed in [int(s) for s in args.seeds.split(",")]:
         for label in LABELS:
             start = time.perf_counter()
             with tempfile.TemporaryDirectory() as out:
-                results[label][seed] = train(label, args, out, [*extra, "--seed", str(seed)])
+                results[label][seed] = train_with(*CONFIGS[label], args, out, [*extra, "--seed", str(seed)])
             summary, losses = results[label][seed]
             print(f"seed {seed}, {label}: final {losses[-1]:.4f}, last-{TAIL} mean "
                   f"{statistics.fmean(losses[-TAIL:]):.4f}, {time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
@@ -65,32 +80,44 @@ def spread(values: list[float]) -> str:
 
 def table(results: dict[str, dict[int, tuple[dict, list[float]]]], args: argparse.Namespace) -> list[str]:
     seeds = sorted(results[LABELS[0]])
-    base = results[LABELS[0]]
-    params = base[seeds[0]][0]["params"]
+    params = results[LABELS[0]][seeds[0]][0]["params"]
     lines = [
         f"`python benchmarks/convergence_at_scale.py --nproc {args.nproc} --ranks-per-node {args.ranks_per_node} "
         f"--steps {args.steps} --seeds {args.seeds}` (GPT {params / 1e6:.1f}M params, "
         f"{args.nproc // args.ranks_per_node} simulated nodes x {args.ranks_per_node}, "
         f"{args.nproc * args.batch_size * args.block_size} tokens/step, AdamW lr {args.lr} with warmup and "
-        f"cosine decay, gloo, CPU). Mean ± standard deviation over {len(seeds)} seeds; a gap is "
-        "(config − fp32) / fp32 of the same seed, then averaged over seeds.",
+        f"cosine decay, validation on {args.nproc * args.val_batches * args.batch_size * args.block_size} "
+        f"held-out tokens, gloo, CPU). Mean ± standard deviation over {len(seeds)} seeds. A gap is "
+        "(config − fp32) / fp32 of the same seed: its mean over the seeds, then each seed's.",
         "",
-        f"| config | final loss | mean of last {TAIL} | gap, final | gap, last {TAIL} | validation loss | "
+        f"| config | final loss | mean of last {TAIL} | validation loss | gap, last {TAIL} | gap, validation | "
         "inter-node MB/rank/step |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+    metrics = {
+        "final": lambda summary, losses: losses[-1],
+        "tail": lambda summary, losses: statistics.fmean(losses[-TAIL:]),
+        "val": lambda summary, losses: summary["val_loss"],
+    }
+    per_seed = {
+        label: {name: [metric(*results[label][s]) for s in seeds] for name, metric in metrics.items()}
+        for label in LABELS
+    }
+    base = per_seed[LABELS[0]]
     for label in LABELS:
-        runs = results[label]
-        finals = [runs[s][1][-1] for s in seeds]
-        tails = [statistics.fmean(runs[s][1][-TAIL:]) for s in seeds]
-        gap_final = [(runs[s][1][-1] - base[s][1][-1]) / base[s][1][-1] for s in seeds]
-        gap_tail = [(t - statistics.fmean(base[s][1][-TAIL:])) / statistics.fmean(base[s][1][-TAIL:])
-                    for s, t in zip(seeds, tails)]  # fmt: skip
-        val = [runs[s][0]["val_loss"] for s in seeds]
-        inter = runs[seeds[0]][0]["sent_inter_mb_per_rank_step"]
-        lines.append(f"| {label} | {spread(finals)} | {spread(tails)} | {statistics.fmean(gap_final):+.2%} | "
-                     f"{statistics.fmean(gap_tail):+.2%} | {spread(val)} | {inter:.2f} |")  # fmt: skip
+        values = per_seed[label]
+        inter = results[label][seeds[0]][0]["sent_inter_mb_per_rank_step"]
+        lines.append(
+            f"| {label} | {spread(values['final'])} | {spread(values['tail'])} | {spread(values['val'])} | "
+            f"{gaps(values['tail'], base['tail'])} | {gaps(values['val'], base['val'])} | {inter:.2f} |"
+        )
     return lines
+
+
+def gaps(values: list[float], base: list[float]) -> str:
+    """The mean relative gap over the seeds, then each seed's: "+0.63% (+0.04, +1.76, +0.10)"."""
+    each = [(v - b) / b for v, b in zip(values, base)]
+    return f"{statistics.fmean(each):+.2%} ({', '.join(f'{g * 100:+.2f}' for g in each)})"
 
 
 def main() -> None:

@@ -37,7 +37,13 @@ MODES = {"fp32 reduce-scatter": "compiled-inductor", "qgZ (int4 all-to-all)": "c
 def train(label: str, args: argparse.Namespace, out_dir: str, extra: Sequence[str] = ()) -> tuple[dict, list[float]]:
     """One run of examples/train_gpt.py with the flags of `label` (and `extra`): its JSON summary
     and its per-step training losses."""
-    flags, mode = RUNS[label], MODES[label]
+    return train_with(RUNS[label], MODES[label], args, out_dir, extra)
+
+
+def train_with(
+    flags: Sequence[str], mode: str, args: argparse.Namespace, out_dir: str, extra: Sequence[str] = ()
+) -> tuple[dict, list[float]]:
+    """train() with the flags given, and the mode train_gpt.py names its outputs by for them."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            str(ROOT / "examples" / "train_gpt.py"), "--steps", str(args.steps), "--out-dir", out_dir,
            "--ranks-per-node", str(args.ranks_per_node), *flags, *extra]  # fmt: skip

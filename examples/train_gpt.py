@@ -88,6 +88,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="after the warmup: cosine decay to --min-lr, or constant --lr")  # fmt: skip
     train.add_argument("--clip", type=float, default=None, metavar="MAX", help="clip gradients to global norm MAX")
     train.add_argument("--data-mb", type=float, default=8.0, help="megabytes of stdlib source to read")
+    train.add_argument("--val-batches", type=int, default=4, help="held-out batches per rank for the validation loss")
     train.add_argument("--seed", type=int, default=0)
     zpp = p.add_argument_group("zpp_compile")
     zpp.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -99,6 +100,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     zpp.add_argument("--hpz", type=int, default=None, metavar="K", help="ZeRO++ hpZ: secondary partition of K ranks")
     zpp.add_argument("--qgz", action="store_true", help="ZeRO++ qgZ: int4 hierarchical gradient all-to-alls")
     zpp.add_argument("--qgz-ef", action="store_true", help="qgZ with error feedback")
+    zpp.add_argument("--qgz-error-beta", type=float, default=None, metavar="BETA",
+                     help="with --qgz-ef: the share of the stored error kept each step (Config.qgz_error_beta)")  # fmt: skip
     zpp.add_argument("--bf16", action="store_true", help="mixed precision: bf16 gathers and compute, fp32 masters")
     zpp.add_argument("--keep-whole", type=int, default=0, metavar="N",
                      help="Config.keep_whole_numel: parameters of at most N elements stay whole on every rank")  # fmt: skip
@@ -123,6 +126,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         _check_cuda(p)
     if args.grad_accum < 1:
         p.error("--grad-accum must be at least 1")
+    if args.val_batches < 1:
+        p.error("--val-batches must be at least 1")
+    if args.qgz_error_beta is not None and not args.qgz_ef:
+        p.error("--qgz-error-beta is a setting of error feedback: add --qgz-ef")
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     return args
@@ -162,6 +169,7 @@ def zpp_config(args: argparse.Namespace) -> zpp_compile.Config:
         hpz_size=args.hpz,
         quantize_gradients=args.qgz or args.qgz_ef,
         qgz_error_feedback=args.qgz_ef,
+        **({} if args.qgz_error_beta is None else {"qgz_error_beta": args.qgz_error_beta}),
         param_dtype=torch.bfloat16 if args.bf16 else None,
         plan="auto" if args.auto_plan else "manual",
         allow_lossy=args.allow_lossy,
@@ -178,6 +186,7 @@ def mode_name(args: argparse.Namespace) -> str:
         (f"hpz{args.hpz}", args.hpz),
         ("qgz", args.qgz and not args.qgz_ef),
         ("qgz-ef", args.qgz_ef),
+        (f"beta{args.qgz_error_beta:g}" if args.qgz_error_beta is not None else "", args.qgz_error_beta is not None),
         ("auto" + ("-lossy" if args.allow_lossy else ""), args.auto_plan),
         (f"whole{args.keep_whole}", args.keep_whole),
     )
@@ -262,7 +271,7 @@ def main() -> None:
             zpp_compile.save_checkpoint(Path(args.checkpoint_dir) / f"step_{step}", model, opt, extra=extra)
     bar.close()
 
-    val_loss = evaluate(run, model, loss_fn, val_data, args, device)
+    val_loss = evaluate(run, model, loss_fn, val_data, args, device, args.val_batches)
     summary = summarize(args, mode, world, n_params, device, records, step_times, first_step_s, val_loss)
     log(f"first step ({'eager' if args.eager else 'compile included'}) {first_step_s:.1f} s; median step "
         f"{summary['median_step_ms']:.1f} ms; final train loss {summary['final_train_loss']:.4f}; "

@@ -39,8 +39,11 @@ def test_ef_load_returns_a_contiguous_error_with_and_without_a_stored_one():
         assert loaded.is_contiguous() and loaded.abs().sum() > 0
 
 
-def test_ef_store():
-    opcheck(torch.ops.zpp.ef_store, (_transposed(2, 3, 8), new_slot()))
+@pytest.mark.parametrize("beta", [0.0, 0.8])
+def test_ef_store(beta):
+    slot = new_slot()
+    torch.ops.zpp.ef_store(torch.randn(2, 3, 8), slot, beta)  # something stored to blend with
+    opcheck(torch.ops.zpp.ef_store, (_transposed(2, 3, 8), slot, beta))
 
 
 def test_add_rows():

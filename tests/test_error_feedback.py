@@ -39,6 +39,17 @@ def test_first_load_is_zero_then_the_stored_error_comes_back():
     assert torch.allclose(back, torch.tensor([0.5, -0.25, 1e-3, 0.0]), rtol=2**-7)  # bf16 state
 
 
+def test_beta_keeps_that_share_of_the_stored_error_starting_from_zeros():
+    """LoCo's err_beta: stored = beta * stored + (1 - beta) * this step's error."""
+    slot, like, beta = new_slot(), torch.zeros(2), 0.75
+    for residual in (torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5])):
+        torch.ops.zpp.ef_store(residual, slot, beta)
+    expected = beta * (1 - beta) * torch.tensor([1.0, -2.0]) + (1 - beta) * torch.tensor([0.5, 0.5])
+    assert torch.equal(torch.ops.zpp.ef_load(like, slot), expected)  # [0.3125, -0.25]: exact in bf16
+    torch.ops.zpp.ef_store(torch.tensor([3.0, 1.0]), slot, 0.0)  # beta 0: the whole last error
+    assert torch.equal(torch.ops.zpp.ef_load(like, slot), torch.tensor([3.0, 1.0]))
+
+
 def test_a_non_finite_error_is_dropped_not_fed_back():
     slot = new_slot()
     _store_in_backward(slot, torch.tensor([1.0, math.nan, math.inf, -2.0]), times=1)

@@ -175,11 +175,20 @@ def test_quantized_nontrainable_weights_map_to_frozen_int8():
     assert config == Config(quantize_frozen_weights=True)
 
 
-def test_loco_turns_on_error_feedback_and_names_what_has_no_counterpart():
-    ds = zero3(zero_quantized_gradients=True, zeropp_loco_param={"err_beta": 0.8, "reset_T": 1024})
-    with pytest.warns(UserWarning, match=r"zeropp_loco_param.*err_beta=0\.8, reset_T=1024 have no counterpart"):
+def test_loco_turns_on_error_feedback_maps_err_beta_and_names_what_has_no_counterpart():
+    ds = zero3(zero_quantized_gradients=True, zeropp_loco_param={"err_beta": 0.5, "reset_T": 1024})
+    with pytest.warns(UserWarning, match=r"zeropp_loco_param's reset_T=1024 have no counterpart"):
         config = Config.from_deepspeed(ds)
-    assert config.quantize_gradients and config.qgz_error_feedback
+    assert config.quantize_gradients and config.qgz_error_feedback and config.qgz_error_beta == 0.5
+
+
+def test_loco_with_err_beta_alone_maps_silently_and_a_bad_one_is_refused_by_name():
+    ds = zero3(zero_quantized_gradients=True, zeropp_loco_param={"err_beta": 0.9})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Config.from_deepspeed(ds).qgz_error_beta == 0.9
+    with pytest.raises(ValueError, match=r"qgz_error_beta=1\.5 must be a number in \[0, 1\)"):
+        Config.from_deepspeed(zero3(zero_quantized_gradients=True, zeropp_loco_param={"err_beta": 1.5}))
 
 
 def test_loco_without_qgz_is_ignored_as_deepspeed_ignores_it():

@@ -117,6 +117,13 @@ class Config:
         "unsharded gradient per rank; off by default (docs/qgz_convergence.md has the measurement). "
         "`zpp_compile.clear_error_feedback()` drops it",
     )
+    qgz_error_beta: float = _field(
+        0.0,
+        "with `qgz_error_feedback`: the share of its stored error a rank keeps each step, as DeepSpeed LoCo's "
+        "`err_beta`: stored = beta * stored + (1 - beta) * this step's error; 0 feeds the whole last error "
+        "back. A number in [0, 1). Measured with AdamW in docs/convergence_at_scale.md: neither 0 nor 0.8 "
+        "(LoCo's usual value) trained closer to fp32 than no feedback",
+    )
     gather_bucket_bytes: int = _field(
         25 * 2**20,
         "neighbouring all-gathers of one group and dtype travel as one collective up to this many bytes as "
@@ -288,6 +295,7 @@ class Config:
         _require_bool(self, "batch_cpu_kernels")
         _require_bool(self, "hpz_quantized_secondary")
         _require_bool(self, "qgz_error_feedback")
+        _require_fraction(self, "qgz_error_beta")
         if self.qgz_error_feedback and not self.quantize_gradients and not (self.auto_plan and self.allow_lossy):
             raise ValueError("Config.qgz_error_feedback=True needs quantize_gradients=True (it is part of qgZ).")
         _require_bool(self, "save_gathered_weights")
@@ -480,6 +488,12 @@ def _is_fsdp2_mixed_precision_policy(value: object) -> bool:
     except ImportError:  # a torch built without torch.distributed has no policy to mistake
         return False
     return isinstance(value, MixedPrecisionPolicy)
+
+
+def _require_fraction(config: Config, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"Config.{name}={value!r} must be a number in [0, 1).")
 
 
 def _require_non_negative_number(config: Config, name: str) -> None:

@@ -3,8 +3,9 @@ and adds it back to the next one, so the compressed gradient is unbiased over ti
 
 The state lives here, outside the compiled graphs: a functional backward graph cannot own
 persistent tensors. Two custom ops reach it, each opaque to Inductor:
-    err = zpp.ef_load(like, slot)        a copy of the stored error (zeros the first time)
-    done = zpp.ef_store(residual, slot)  stores a copy, returns a 0-dim zero
+    err = zpp.ef_load(like, slot)              a copy of the stored error (zeros the first time)
+    done = zpp.ef_store(residual, slot, beta)  stores beta * stored + (1 - beta) * residual
+                                               (Config.qgz_error_beta), returns a 0-dim zero
 The qgz pass adds `done` to the reduced gradient, so the store is never dead code, and the load
 feeds the store, so they run in order. Errors are kept in bfloat16: the state is about the size
 of one unsharded gradient copy per rank (2 bytes x parameters x (1 + 1/ranks_per_node)), half of
@@ -101,12 +102,17 @@ def _(like: Tensor, slot: int) -> Tensor:
 
 
 @torch.library.custom_op("zpp::ef_store", mutates_args=())
-def ef_store(residual: Tensor, slot: int) -> Tensor:
+def ef_store(residual: Tensor, slot: int, beta: float = 0.0) -> Tensor:
+    """Store beta * the stored error + (1 - beta) * `residual` (this step's error) in `slot`."""
     _refuse_sharing(slot)
     # A non-finite residual (an inf/nan gradient, e.g. a GradScaler overflow step) is dropped:
     # fed back, it would make every later step of that block nan.
-    residual = torch.where(torch.isfinite(residual), residual, torch.zeros_like(residual))
-    _ERRORS[slot] = residual.detach().to(STATE_DTYPE)
+    error = torch.where(torch.isfinite(residual), residual, torch.zeros_like(residual))
+    if beta:  # nothing stored yet counts as zeros, as LoCo's buffer starts
+        stored = _ERRORS.get(slot)
+        kept = stored.float() if stored is not None and stored.shape == error.shape else error.new_zeros(error.shape)
+        error = torch.lerp(error.float(), kept.float(), beta)
+    _ERRORS[slot] = error.detach().to(STATE_DTYPE)
     return residual.new_zeros(())
 
 
@@ -124,5 +130,5 @@ def _refuse_sharing(slot: int) -> None:
 
 
 @ef_store.register_fake
-def _(residual: Tensor, slot: int) -> Tensor:
+def _(residual: Tensor, slot: int, beta: float = 0.0) -> Tensor:
     return residual.new_empty(())

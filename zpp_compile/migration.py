@@ -9,8 +9,9 @@ DeepSpeed key -> Config field:
     zero_optimization.zero_quantized_nontrainable_weights  quantize_frozen_weights
     zero_optimization.zero_hpz_partition_size              hpz_size (hpZ; 0 or 1: None, off)
     zero_optimization.zero_quantized_gradients             quantize_gradients (qgZ)
-    zero_optimization.zeropp_loco_param                    qgz_error_feedback=True (err_beta and
-                                                           reset_T have no counterpart: warning)
+    zero_optimization.zeropp_loco_param                    qgz_error_feedback=True, err_beta ->
+                                                           qgz_error_beta (reset_T has no
+                                                           counterpart: warning)
     zero_optimization.reduce_bucket_size                   reduce_bucket_bytes  } DeepSpeed counts
     zero_optimization.allgather_bucket_size                gather_bucket_bytes  } elements: times 2
     zero_optimization.stage3_prefetch_bucket_size          prefetch_bytes       } under bf16/fp16, 4
@@ -426,7 +427,7 @@ def _read_zeropp(zero: Mapping[str, Any], translation: _Translation) -> None:
 
 
 def _read_loco(zero: Mapping[str, Any], translation: _Translation) -> None:
-    """LoCo-Zero++ is qgZ with error feedback; zpp_compile's feedback has no decay and no reset."""
+    """LoCo-Zero++ is qgZ with error feedback: err_beta is qgz_error_beta; nothing resets the error."""
     loco = _given(zero, "zeropp_loco_param", "zero_optimization.zeropp_loco_param")
     if loco is _UNSET:
         return
@@ -442,12 +443,15 @@ def _read_loco(zero: Mapping[str, Any], translation: _Translation) -> None:
         )
         return
     translation.set("qgz_error_feedback", True, "zero_optimization.zeropp_loco_param")
-    settings = ", ".join(f"{key}={value!r}" for key, value in loco.items()) or "err_beta, reset_T"
-    translation.warn(
-        "DeepSpeed zero_optimization.zeropp_loco_param maps to qgz_error_feedback=True, but its "
-        f"{settings} have no counterpart: zpp_compile carries the whole int4 error of each send into "
-        "the next one, with no err_beta decay and no reset_T reset."
-    )
+    if "err_beta" in loco:
+        translation.set("qgz_error_beta", loco["err_beta"], "zero_optimization.zeropp_loco_param.err_beta")
+    others = {key: value for key, value in loco.items() if key != "err_beta"}
+    if others:
+        settings = ", ".join(f"{key}={value!r}" for key, value in others.items())
+        translation.warn(
+            f"DeepSpeed zero_optimization.zeropp_loco_param's {settings} have no counterpart: zpp_compile "
+            "never resets the stored int4 error (reset_T); err_beta maps to qgz_error_beta."
+        )
 
 
 def _element_size(param_dtype: Any) -> int:

@@ -37,9 +37,11 @@ def test_two_nodes_get_an_int4_all_to_all_in_the_node_then_one_across():
 
 def test_error_feedback_adds_a_load_and_a_store_per_stage():
     topology = Topology(4, 1, 2, "world", node_group_name="node_0", cross_node_group_name="local_1")
-    gm = qgz(_reduce_graph("world", 4), _context(topology, qgz_error_feedback=True))
+    gm = qgz(_reduce_graph("world", 4), _context(topology, qgz_error_feedback=True, qgz_error_beta=0.5))
     assert targets(gm).count(torch.ops.zpp.ef_load.default) == 2
-    assert targets(gm).count(torch.ops.zpp.ef_store.default) == 2
+    stores = [n for n in gm.graph.nodes if n.target == torch.ops.zpp.ef_store.default]
+    assert len(stores) == 2
+    assert [n.args[2] for n in stores] == [0.5] * 2  # Config.qgz_error_beta
 
 
 def test_one_rank_per_node_skips_the_in_node_stage():

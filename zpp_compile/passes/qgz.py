@@ -22,6 +22,7 @@ The three kernels come from codegen.registry for the gradients' device (Triton o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Optional
@@ -78,6 +79,7 @@ def _rewrite_bucket(graph: fx.Graph, bucket: list[fx.Node], ctx: PassContext) ->
         block=ctx.config.gradient_block_size,
         kernels=quant_kernels(grads[0].meta["val"].device),
         error_slots=_error_slots(bucket, ctx) if ctx.config.qgz_error_feedback else None,
+        error_beta=ctx.config.qgz_error_beta,
     )
     with graph.inserting_before(bucket[-1]):
         shards = inline_traced(graph, fn, grads, ctx.decompositions)
@@ -104,12 +106,14 @@ def qgz_reduce_scatter(
     block: int,
     kernels: Optional[QuantKernels] = None,
     error_slots: Optional[tuple[int, int]] = None,
+    error_beta: float = 0.0,
 ) -> list[Tensor]:
     """This rank's shard of the world-average of each of `grads`, moved as int4 in (up to) two
     all-to-alls for the whole bucket (see above).
 
     With `error_slots` (Config.qgz_error_feedback) each quantization adds back the error this
-    rank made at the same point last step and stores its new error (see error_feedback.py).
+    rank made at the same point last step and stores its new error, blended with the old one by
+    `error_beta` (Config.qgz_error_beta; see error_feedback.py).
     """
     kernels = kernels or quant_kernels(grads[0].device)
     world, local, nodes = topology.world_size, topology.ranks_per_node, topology.num_nodes
@@ -119,7 +123,7 @@ def qgz_reduce_scatter(
     )
     chunk = values.shape[-1]
     slots = error_slots or (None, None)
-    stores: list[Tensor] = []  # error-feedback stores: 0-dim zeros that keep them live
+    stores = _ErrorStores(error_beta)
     if local == 1 and nodes == 1:
         total = values.view(chunk)
     elif nodes == 1:  # one node: the in-node stage gives the world sums
@@ -135,12 +139,12 @@ def qgz_reduce_scatter(
             received = _all_to_all(payload, local, topology.node_group_name).view(local, nodes, -1)
             residual = _load_error(received.new_empty(nodes, chunk, dtype=torch.float32), slots[1])
             payload, error = kernels.int4_dequantize_reduce_requantize(received, chunk, block, residual)
-            _store_error(error, slots[1], stores)
+            stores.add(error, slots[1])
         received = _all_to_all(payload, nodes, topology.cross_node_group_name).view(nodes, 1, -1)
         total = kernels.int4_dequantize_reduce(received, chunk, block).view(chunk)
     offsets = [sum(chunks[:i]) for i in range(len(chunks))]
     out = [(total[o : o + s] / world).to(g.dtype) for g, o, s in zip(grads, offsets, shards)]
-    out[0] = sum(stores, out[0])
+    out[0] = sum(stores.zeros, out[0])
     return out
 
 
@@ -150,22 +154,30 @@ def _node_rank_chunks(grad: Tensor, numel: int, shard: int, chunk: int, nodes: i
     return F.pad(flat.view(nodes, local, shard), (0, chunk - shard))
 
 
+@dataclasses.dataclass
+class _ErrorStores:
+    """One reduction's error-feedback stores, each blending by `beta`; `zeros` are their 0-dim
+    results, added to the output so that no store is dead code."""
+
+    beta: float
+    zeros: list[Tensor] = dataclasses.field(default_factory=list)
+
+    def add(self, error: Optional[Tensor], slot: Optional[int]) -> None:
+        if slot is not None:
+            self.zeros.append(torch.ops.zpp.ef_store(error, slot, self.beta))
+
+
 def _quantize_swizzled(
-    values: Tensor, block: int, kernels: QuantKernels, slot: Optional[int], stores: list[Tensor]
+    values: Tensor, block: int, kernels: QuantKernels, slot: Optional[int], stores: _ErrorStores
 ) -> Tensor:
     residual = _load_error(values.transpose(0, 1), slot)
     payload, error = kernels.int4_quantize_swizzled(values, block, residual)
-    _store_error(error, slot, stores)
+    stores.add(error, slot)
     return payload
 
 
 def _load_error(like: Tensor, slot: Optional[int]) -> Optional[Tensor]:
     return None if slot is None else torch.ops.zpp.ef_load(like, slot)
-
-
-def _store_error(error: Optional[Tensor], slot: Optional[int], stores: list[Tensor]) -> None:
-    if slot is not None:
-        stores.append(torch.ops.zpp.ef_store(error, slot))
 
 
 def _all_to_all(payload: Tensor, group_size: int, group_name: str) -> Tensor:
