@@ -1,8 +1,8 @@
-"""torch.library.opcheck on zpp's custom ops that run without a process group: each fake kernel
-says what the real one returns (shape, dtype and strides), on the non-contiguous inputs the
-passes hand them. Inductor checks a region's input strides against the fake kernel's, so a
-mismatch fails a compiled step (ef_load did, under regions, at the second step).
-The collective ops are checked in real process groups: tests/test_rooted_ops.py, test_training.py."""
+"""torch.library.opcheck on zpp's custom ops: each fake kernel says what the real one returns
+(shape, dtype and strides), on the non-contiguous inputs the passes may hand them. Inductor checks
+a region's input strides against the fake kernel's, so a mismatch fails a compiled step (ef_load
+did, under regions, at the second step). The collectives run on a real one-rank gloo group; their
+results across ranks are tested in tests/test_rooted_ops.py and test_training.py."""
 
 from __future__ import annotations
 
@@ -54,6 +54,21 @@ def test_add_rows():
 
 def test_owned_copy_of_a_strided_slice():
     opcheck(torch.ops.zpp.owned_copy, (torch.randn(6, 8)[:, 2:5],))
+
+
+@pytest.mark.parametrize(
+    "name", ["gather_param", "replicated_param", "reduce_grad", "all_reduce_grad", "rooted_all_gather"]
+)
+def test_collective_ops_on_a_group_of_one(group_of_one, name):
+    part = torch.randn(6, 8)[:, 2:5]  # a strided 6 x 3 part
+    args = {
+        "gather_param": (part, 18, [6, 3], 18, 1, group_of_one),
+        "replicated_param": (part, 1, group_of_one),
+        "reduce_grad": (part, 18, 18, 1, group_of_one),
+        "all_reduce_grad": (part, 1, group_of_one),
+        "rooted_all_gather": (torch.randn(8), 1, group_of_one),
+    }[name]
+    opcheck(getattr(torch.ops.zpp, name), args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_gradient_accumulation_ops():
