@@ -241,13 +241,15 @@ def test_ranks_compiling_other_sizes_under_dynamic_shapes_choose_alike(pools):
 
 
 def test_hpz_without_qwz_keeps_frozen_int8_weights_secondary_int8_and_error_feedback_follows_qgz():
-    config = zpp_compile.Config(plan="auto", allow_lossy=True, qgz_error_feedback=True)
+    config = zpp_compile.Config(plan="auto", allow_lossy=True, qgz_error_feedback=True, qgz_error_beta=0.8)
     hpz_only = resolved_config(config, Option(Techniques(hpz=True), 0, 2), TWO_NODES, keep_whole_numel=0)
     assert hpz_only.hpz_size == 2 and hpz_only.hpz_quantized_secondary and not hpz_only.qgz_error_feedback
+    assert hpz_only.qgz_error_beta == 0  # the error feedback setting goes with it
     full_secondary = resolved_config(
         config, Option(Techniques(True, True, False, True), 0, 2), TWO_NODES, keep_whole_numel=0
     )
     assert not full_secondary.hpz_quantized_secondary and full_secondary.qgz_error_feedback
+    assert full_secondary.qgz_error_beta == 0.8
 
 
 def plans_after_static_recompile() -> list[str]:

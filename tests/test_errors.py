@@ -34,6 +34,7 @@ from .models import OddMLP
         ({"gradient_block_size": 2**14}, ValueError, "gradient_block_size=16384 is larger than 8192"),
         ({"collective_timeout_s": float("nan")}, ValueError, "collective_timeout_s=nan must be a positive number"),
         ({"check_schedule": -1}, ValueError, "check_schedule=-1 is out of range"),
+        ({"qgz_error_beta": 0.5}, ValueError, r"qgz_error_beta=0.5 is a setting of error feedback"),
         ({"qgz_error_beta": 1.0}, ValueError, r"qgz_error_beta=1.0 must be a number in \[0, 1\)"),
         ({"qgz_error_beta": "0.8"}, ValueError, r"qgz_error_beta='0.8' must be a number in \[0, 1\)"),
     ],

@@ -612,6 +612,7 @@ def settle_budget(state: ShardedState, device: torch.device) -> None:
 def resolved_config(config: Config, option: Option, topology: Topology, *, keep_whole_numel: int) -> Config:
     """The manual Config the option stands for (with the threshold shard() chose): what the passes read."""
     t = option.techniques
+    feedback = config.qgz_error_feedback and t.quantize_gradients
     return dataclasses.replace(
         config,
         plan="manual",
@@ -622,7 +623,8 @@ def resolved_config(config: Config, option: Option, topology: Topology, *, keep_
         # Without qwZ only frozen int8 weights can keep an int8 secondary: leave them that default.
         hpz_quantized_secondary=t.hpz_int8 or not (t.hpz and t.quantize_weights),
         quantize_gradients=t.quantize_gradients,
-        qgz_error_feedback=config.qgz_error_feedback and t.quantize_gradients,
+        qgz_error_feedback=feedback,
+        qgz_error_beta=config.qgz_error_beta if feedback else 0.0,
         gather_bucket_bytes=option.bucket_bytes,
         reduce_bucket_bytes=option.bucket_bytes,
         prefetch_limit=option.prefetch,

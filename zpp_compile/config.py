@@ -298,6 +298,11 @@ class Config:
         _require_fraction(self, "qgz_error_beta")
         if self.qgz_error_feedback and not self.quantize_gradients and not (self.auto_plan and self.allow_lossy):
             raise ValueError("Config.qgz_error_feedback=True needs quantize_gradients=True (it is part of qgZ).")
+        if self.qgz_error_beta and not self.qgz_error_feedback:
+            raise ValueError(
+                f"Config.qgz_error_beta={self.qgz_error_beta!r} is a setting of error feedback: set "
+                "qgz_error_feedback=True too, or leave qgz_error_beta at 0."
+            )
         _require_bool(self, "save_gathered_weights")
         _require_bool(self, "keep_last_weights_gathered")
         _require_block_size(self, "weight_block_size", suggestion=256)
