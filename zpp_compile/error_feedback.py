@@ -85,10 +85,16 @@ def stored_error_bytes() -> int:
     return sum(t.numel() * t.element_size() for t in _ERRORS.values())
 
 
+def _stored_error(slot: int, shape: torch.Size) -> Optional[Tensor]:
+    """The error stored in `slot` if it has `shape` (a recompiled graph may bucket otherwise)."""
+    stored = _ERRORS.get(slot)
+    return stored if stored is not None and stored.shape == shape else None
+
+
 @torch.library.custom_op("zpp::ef_load", mutates_args=())
 def ef_load(like: Tensor, slot: int) -> Tensor:
-    stored = _ERRORS.get(slot)
-    if stored is None or stored.shape != like.shape:
+    stored = _stored_error(slot, like.shape)
+    if stored is None:
         return like.new_zeros(like.shape)
     # A new tensor (the stored one is never handed to a graph), contiguous whatever `like`'s
     # layout: Inductor checks the strides against the fake kernel's, and may lay out `like` (a
@@ -109,9 +115,8 @@ def ef_store(residual: Tensor, slot: int, beta: float = 0.0) -> Tensor:
     # fed back, it would make every later step of that block nan.
     error = torch.where(torch.isfinite(residual), residual, torch.zeros_like(residual))
     if beta:  # nothing stored yet counts as zeros, as LoCo's buffer starts
-        stored = _ERRORS.get(slot)
-        kept = stored.float() if stored is not None and stored.shape == error.shape else error.new_zeros(error.shape)
-        error = torch.lerp(error.float(), kept.float(), beta)
+        stored = _stored_error(slot, error.shape)
+        error = torch.lerp(error.float(), torch.zeros(()) if stored is None else stored.float(), beta)
     _ERRORS[slot] = error.detach().to(STATE_DTYPE)
     return residual.new_zeros(())
 
