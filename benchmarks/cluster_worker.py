@@ -27,13 +27,14 @@ from benchmarks._common import tracked  # noqa: E402
 from benchmarks.cluster import link_bytes  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
-ZERO_PP = {"quantize_weights": True, "hpz_size": 2, "quantize_gradients": True}
+QWZ_HPZ = {"quantize_weights": True, "hpz_size": 2}
+ZERO_PP = {**QWZ_HPZ, "quantize_gradients": True}
 CONFIGS: dict[str, tuple[str, dict]] = {
     "zeropp ZeRO-3": ("zeropp", {}),
     "zeropp + qwZ": ("zeropp", {"quantize_weights": True}),
     "zeropp + hpZ": ("zeropp", {"hpz_size": 2}),
     "zeropp + qgZ": ("zeropp", {"quantize_gradients": True}),
-    "zeropp qwZ+hpZ": ("zeropp", {"quantize_weights": True, "hpz_size": 2}),
+    "zeropp qwZ+hpZ": ("zeropp", QWZ_HPZ),
     "zeropp qwZ+hpZ+qgZ": ("zeropp", ZERO_PP),
     "zeropp auto": ("zeropp", {"plan": "auto"}),
     "zeropp auto lossy": ("zeropp", {"plan": "auto", "allow_lossy": True}),
@@ -56,7 +57,14 @@ ACCUMULATION_CONFIGS: dict[str, tuple[str, dict]] = {
         {"grad_accum": GRAD_ACCUM, "no_sync": True, "quantize_gradients": True},
     ),
 }
-ALL_CONFIGS = {**CONFIGS, **ACCUMULATION_CONFIGS}
+# Hand-picked twins of what Config(plan="auto") chose on this cluster, with and without keeping the
+# small parameters whole, to take its choices apart one at a time (docs/auto_plan.md); only by --configs.
+KEEP_WHOLE_CONFIGS: dict[str, tuple[str, dict]] = {
+    "zeropp qwZ+hpZ keep 256": ("zeropp", {**QWZ_HPZ, "keep_whole_numel": 256}),
+    "zeropp qwZ+hpZ prefetch 4": ("zeropp", {**QWZ_HPZ, "prefetch_limit": 4}),
+    "zeropp qwZ+hpZ prefetch 4 keep 1024": ("zeropp", {**QWZ_HPZ, "prefetch_limit": 4, "keep_whole_numel": 1024}),
+}
+ALL_CONFIGS = {**CONFIGS, **ACCUMULATION_CONFIGS, **KEEP_WHOLE_CONFIGS}
 MODEL = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=256)
 BATCH = 4  # sequences per rank per step
 

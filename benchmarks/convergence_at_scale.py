@@ -2,10 +2,12 @@
 1000 steps, three seeds.
 
     python benchmarks/convergence_at_scale.py [--nproc 4] [--ranks-per-node 2] [--steps 1000] [--seeds 0,1,2]
+    python benchmarks/convergence_at_scale.py --seeds 1 --configs "qwZ+hpZ;qgZ alone"   # a gap taken apart
 
-Each seed trains examples/train_gpt.py (6 layers, 384 wide, 6 heads, byte-level stdlib text) three
-times on the same batches: fp32 ZeRO-3 (the reference), qwZ + hpZ 2 + qgZ, and the same with qgZ
-error feedback. Reports per config the final loss and the mean of the last 100 steps' losses (mean
+Each seed trains examples/train_gpt.py (6 layers, 384 wide, 6 heads, byte-level stdlib text) once
+per config on the same batches: fp32 ZeRO-3 (the reference), the same lowered by aot_eager (float
+rounding only), qwZ + hpZ 2 + qgZ, and the same with qgZ error feedback (beta 0 and 0.8);
+`--configs` picks others, such as each technique alone. Reports per config the final loss and the mean of the last 100 steps' losses (mean
 and spread over the seeds), their gap to the reference's, and the validation loss; writes
 docs/convergence_at_scale.md and, with matplotlib, docs/convergence_at_scale.png.
 """
@@ -38,7 +40,13 @@ CONFIGS = {
         MODES["qwZ+hpZ+qgZ + error feedback"] + "+beta0.8",
     ),
 }
-LABELS = tuple(CONFIGS)
+REFERENCE = "fp32 reduce-scatter"
+DEFAULT_LABELS = tuple(CONFIGS)
+# Each technique of the full set alone, to take a gap apart (--configs).
+CONFIGS |= {
+    "qwZ+hpZ": (["--qwz", "--hpz", "2"], "compiled-inductor+qwz+hpz2"),
+    "qgZ alone": (RUNS["qgZ (int4 all-to-all)"], MODES["qgZ (int4 all-to-all)"]),
+}
 MODEL = ["--n-layer", "6", "--n-embd", "384", "--n-head", "6"]
 TAIL = 100  # the last steps averaged: one step's loss on 256 tokens is noisy
 
@@ -53,16 +61,32 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--val-batches", type=int, default=64, help="held-out batches per rank (64: 16K tokens)")
-    return p.parse_args()
+    p.add_argument("--configs", default=None,
+                   help=f"separated by ';' (labels hold commas), any of: {'; '.join(CONFIGS)}. Default: the first "
+                        f"{len(DEFAULT_LABELS)}; the reference ({REFERENCE}) always runs")  # fmt: skip
+    args = p.parse_args()
+    unknown = set(chosen_labels(args)) - set(CONFIGS)
+    if unknown:
+        p.error(f"unknown configs {sorted(unknown)}; choose from {list(CONFIGS)}")
+    return args
+
+
+def chosen_labels(args: argparse.Namespace) -> list[str]:
+    return list(DEFAULT_LABELS) if args.configs is None else [c.strip() for c in args.configs.split(";")]
+
+
+def labels_of(args: argparse.Namespace) -> list[str]:
+    """The configs to run, the reference first."""
+    return [REFERENCE, *(label for label in chosen_labels(args) if label != REFERENCE)]
 
 
 def run_all(args: argparse.Namespace) -> dict[str, dict[int, tuple[dict, list[float]]]]:
     """results[label][seed] = (summary, losses), seeds outermost so a cut-short run still compares."""
-    results: dict[str, dict[int, tuple[dict, list[float]]]] = {label: {} for label in LABELS}
+    results: dict[str, dict[int, tuple[dict, list[float]]]] = {label: {} for label in labels_of(args)}
     extra = [*MODEL, "--batch-size", str(args.batch_size), "--block-size", str(args.block_size), "--lr",
              str(args.lr), "--log-every", str(args.steps), "--val-batches", str(args.val_batches)]  # fmt: skip
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for label in LABELS:
+        for label in results:
             start = time.perf_counter()
             with tempfile.TemporaryDirectory() as out:
                 results[label][seed] = train_with(*CONFIGS[label], args, out, [*extra, "--seed", str(seed)])
@@ -79,11 +103,11 @@ def spread(values: list[float]) -> str:
 
 
 def table(results: dict[str, dict[int, tuple[dict, list[float]]]], args: argparse.Namespace) -> list[str]:
-    seeds = sorted(results[LABELS[0]])
-    params = results[LABELS[0]][seeds[0]][0]["params"]
+    seeds = sorted(results[REFERENCE])
+    params = results[REFERENCE][seeds[0]][0]["params"]
     lines = [
         f"`python benchmarks/convergence_at_scale.py --nproc {args.nproc} --ranks-per-node {args.ranks_per_node} "
-        f"--steps {args.steps} --seeds {args.seeds}` (GPT {params / 1e6:.1f}M params, "
+        f"--steps {args.steps} --seeds {args.seeds}{configs_flag(args)}` (GPT {params / 1e6:.1f}M params, "
         f"{args.nproc // args.ranks_per_node} simulated nodes x {args.ranks_per_node}, "
         f"{args.nproc * args.batch_size * args.block_size} tokens/step, AdamW lr {args.lr} with warmup and "
         f"cosine decay, validation on {args.nproc * args.val_batches * args.batch_size * args.block_size} "
@@ -101,10 +125,10 @@ def table(results: dict[str, dict[int, tuple[dict, list[float]]]], args: argpars
     }
     per_seed = {
         label: {name: [metric(*results[label][s]) for s in seeds] for name, metric in metrics.items()}
-        for label in LABELS
+        for label in results
     }
-    base = per_seed[LABELS[0]]
-    for label in LABELS:
+    base = per_seed[REFERENCE]
+    for label in results:
         values = per_seed[label]
         inter = results[label][seeds[0]][0]["sent_inter_mb_per_rank_step"]
         lines.append(
@@ -112,6 +136,10 @@ def table(results: dict[str, dict[int, tuple[dict, list[float]]]], args: argpars
             f"{gaps(values['tail'], base['tail'])} | {gaps(values['val'], base['val'])} | {inter:.2f} |"
         )
     return lines
+
+
+def configs_flag(args: argparse.Namespace) -> str:
+    return "" if args.configs is None else f' --configs "{args.configs}"'
 
 
 def gaps(values: list[float], base: list[float]) -> str:
@@ -124,8 +152,8 @@ def main() -> None:
     args = parse_args()
     results = run_all(args)
     lines = table(results, args)
-    seed = sorted(results[LABELS[0]])[0]
-    curves = {label: results[label][seed][1] for label in LABELS}
+    seed = sorted(results[REFERENCE])[0]
+    curves = {label: results[label][seed][1] for label in results}
     if plot(curves, ROOT / "docs" / "convergence_at_scale.png", smooth=50):
         lines += ["", f"Training loss, seed {seed}, running mean over 50 steps:", "",
                   "![loss curves](convergence_at_scale.png)"]  # fmt: skip
