@@ -7,8 +7,9 @@
 Each seed trains examples/train_gpt.py (6 layers, 384 wide, 6 heads, byte-level stdlib text) once
 per config on the same batches: fp32 ZeRO-3 (the reference), the same lowered by aot_eager (float
 rounding only), qwZ + hpZ 2 + qgZ, and the same with qgZ error feedback (beta 0 and 0.8);
-`--configs` picks others, such as each technique alone. Reports per config the final loss and the mean of the last 100 steps' losses (mean
-and spread over the seeds), their gap to the reference's, and the validation loss; writes
+`--configs` picks others, such as each technique alone. Reports per config the final loss and the
+mean of the last 100 steps' losses (mean and spread over the seeds), their gap to the reference's,
+and the validation loss; writes
 docs/convergence_at_scale.md and, with matplotlib, docs/convergence_at_scale.png.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import publish  # noqa: E402
-from benchmarks.qgz_convergence import MODES, ROOT, RUNS, plot, train_with  # noqa: E402
+from benchmarks.qgz_convergence import MODES, ROOT, RUNS, ZERO_PP, plot, train_with  # noqa: E402
 
 NOISE_FLOOR = "fp32, FX graphs (rounding only)"
 # label -> (train_gpt.py flags, the mode its outputs are named by). The second run is fp32 again,
@@ -44,7 +45,7 @@ REFERENCE = "fp32 reduce-scatter"
 DEFAULT_LABELS = tuple(CONFIGS)
 # Each technique of the full set alone, to take a gap apart (--configs).
 CONFIGS |= {
-    "qwZ+hpZ": (["--qwz", "--hpz", "2"], "compiled-inductor+qwz+hpz2"),
+    "qwZ+hpZ": (ZERO_PP, "compiled-inductor+qwz+hpz2"),
     "qgZ alone": (RUNS["qgZ (int4 all-to-all)"], MODES["qgZ (int4 all-to-all)"]),
 }
 MODEL = ["--n-layer", "6", "--n-embd", "384", "--n-head", "6"]
@@ -65,24 +66,17 @@ def parse_args() -> argparse.Namespace:
                    help=f"separated by ';' (labels hold commas), any of: {'; '.join(CONFIGS)}. Default: the first "
                         f"{len(DEFAULT_LABELS)}; the reference ({REFERENCE}) always runs")  # fmt: skip
     args = p.parse_args()
-    unknown = set(chosen_labels(args)) - set(CONFIGS)
+    chosen = DEFAULT_LABELS if args.configs is None else [c.strip() for c in args.configs.split(";")]
+    unknown = set(chosen) - set(CONFIGS)
     if unknown:
         p.error(f"unknown configs {sorted(unknown)}; choose from {list(CONFIGS)}")
+    args.labels = [REFERENCE, *(label for label in chosen if label != REFERENCE)]  # the reference first
     return args
-
-
-def chosen_labels(args: argparse.Namespace) -> list[str]:
-    return list(DEFAULT_LABELS) if args.configs is None else [c.strip() for c in args.configs.split(";")]
-
-
-def labels_of(args: argparse.Namespace) -> list[str]:
-    """The configs to run, the reference first."""
-    return [REFERENCE, *(label for label in chosen_labels(args) if label != REFERENCE)]
 
 
 def run_all(args: argparse.Namespace) -> dict[str, dict[int, tuple[dict, list[float]]]]:
     """results[label][seed] = (summary, losses), seeds outermost so a cut-short run still compares."""
-    results: dict[str, dict[int, tuple[dict, list[float]]]] = {label: {} for label in labels_of(args)}
+    results: dict[str, dict[int, tuple[dict, list[float]]]] = {label: {} for label in args.labels}
     extra = [*MODEL, "--batch-size", str(args.batch_size), "--block-size", str(args.block_size), "--lr",
              str(args.lr), "--log-every", str(args.steps), "--val-batches", str(args.val_batches)]  # fmt: skip
     for seed in [int(s) for s in args.seeds.split(",")]:
