@@ -208,23 +208,17 @@ def _key(row: dict) -> tuple:
     return row["config"], row["layers"], row["start"]
 
 
-def _median_runs(rows: list[dict]) -> list[dict]:
-    """One row per (config, depth, start), in first-run order: its median run by first step (the
-    lower of the two middle ones for an even count), with every repeat's first step attached."""
+def _runs_by_key(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Every repeat's run of each (config, depth, start), in first-run order."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault(_key(row), []).append(row)
-    medians = []
-    for runs in groups.values():
-        ordered = sorted(runs, key=lambda r: r["first_s_max"])
-        medians.append({**ordered[(len(ordered) - 1) // 2], "all_first_s": [r["first_s_max"] for r in ordered]})
-    return medians
+    return groups
 
 
-def _ratios(rows: list[dict], row: dict) -> list[float]:
-    """Per repeat, the row's first step over DDP's of the same repeat, depth and start."""
-    ddp = {r["repeat"]: r["first_s_max"] for r in rows if _key(r) == ("ddp", row["layers"], row["start"])}
-    return [r["first_s_max"] / ddp[r["repeat"]] for r in rows if _key(r) == _key(row) and r["repeat"] in ddp]
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median first step (the lower of the two middle ones for an even count)."""
+    return sorted(runs, key=lambda r: r["first_s_max"])[(len(runs) - 1) // 2]
 
 
 def _spread(values: list[float], fmt: str, unit: str = "") -> str:
@@ -233,8 +227,11 @@ def _spread(values: list[float], fmt: str, unit: str = "") -> str:
     return middle if len(values) == 1 else f"{middle} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
-def _ratio(rows: list[dict], row: dict) -> str:
-    ratios = _ratios(rows, row)
+def _ratio(groups: dict[tuple, list[dict]], runs: list[dict]) -> str:
+    """Each run's first step over DDP's of the same repeat, depth and start: median (range)."""
+    _, layers, start = _key(runs[0])
+    ddp = {r["repeat"]: r["first_s_max"] for r in groups.get(("ddp", layers, start), [])}
+    ratios = [r["first_s_max"] / ddp[r["repeat"]] for r in runs if r["repeat"] in ddp]
     return _spread(ratios, ".2f", "x") if ratios else "-"
 
 
@@ -256,12 +253,13 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         "RSS rank 0 MB | FX graph cache hit/miss | AOT cache hit/miss |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    medians = _median_runs(rows)
-    for row in medians:
+    groups = _runs_by_key(rows)
+    medians = [_median_run(runs) for runs in groups.values()]
+    for runs, row in zip(groups.values(), medians):
         r0 = row["rank0"]
         lines.append(
-            f"| {row['config']} | {row['layers']} | {row['start']} | {_spread(row['all_first_s'], '.1f')} | "
-            f"{_ratio(rows, row)} | "
+            f"| {row['config']} | {row['layers']} | {row['start']} | "
+            f"{_spread([r['first_s_max'] for r in runs], '.1f')} | {_ratio(groups, runs)} | "
             f"{r0['steady_s']:.2f} | {r0['rss_mb']:.0f} | {r0['fxgraph_hit']}/{r0['fxgraph_miss']} | "
             f"{r0['aot_hit']}/{r0['aot_miss']} |"
         )
