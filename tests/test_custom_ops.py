@@ -71,6 +71,24 @@ def test_collective_ops_on_a_group_of_one(group_of_one, name):
     opcheck(getattr(torch.ops.zpp, name), args, test_utils=("test_schema", "test_faketensor"))
 
 
+def test_a_rooted_result_dropped_unwaited_frees_its_address_for_the_next_one(group_of_one):
+    # opcheck runs an op and drops its result, and so does a step that fails between an issue and
+    # its wait; the allocator then hands the same memory to the next rooted result. CI failed on
+    # that once (test_collective_ops_on_a_group_of_one[rooted_all_gather]) when the table of
+    # collectives in flight still held the dropped one's address.
+    seen, reused = set(), 0
+    for _ in range(64):
+        out = torch.ops.zpp.rooted_all_gather(torch.randn(8), 1, group_of_one)
+        reused += out.data_ptr() in seen
+        seen.add(out.data_ptr())
+        del out
+    assert reused > 0, "the allocator never reused an address: this test checked nothing"
+    shard = torch.randn(8)
+    live = torch.ops.zpp.rooted_all_gather(shard, 1, group_of_one)
+    torch.ops.zpp.wait_rooted(live)  # raises if the issue above was not recorded
+    assert torch.equal(live, shard)
+
+
 def test_gradient_accumulation_ops():
     grad = _transposed(3, 4)
     opcheck(torch.ops.zpp.accumulate_grad, (grad, 0, "w"))

@@ -26,8 +26,9 @@ passes/root_large_collectives.py gives compiled graphs the same, through two ops
   later kernel while gloo still reads or writes it (the functional collectives get the same
   guarantee from Inductor's lowering, NOTE [Out-of-Place Collective Safety]).
 
-Between the two ops a future per work is held here, keyed by `out`'s storage; the wait raises the
-first failure in issue order (a stuck peer costs one timeout, not one per work).
+Between the two ops a future per work is held here, keyed by `out`'s storage address and holding a
+weak reference to it (a result dropped unwaited gives its address back); the wait raises the first
+failure in issue order (a stuck peer costs one timeout, not one per work).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .eager_collectives import pieces
 from .faults import explained_collective_failures
@@ -51,6 +53,7 @@ class _InFlight:
     done: list[torch.futures.Future]  # one per work, in issue order, holding no tensor
     group_name: str
     what: str
+    out: StorageWeakRef  # expired: `out` was dropped unwaited, so its address may come back
 
 
 _IN_FLIGHT: dict[int, _InFlight] = {}
@@ -144,9 +147,18 @@ def _hold(out: Tensor, works: list, group_name: str, what: str) -> None:
     (as with gloo's own reduce-scatter), not at the wait. In a graph Inductor compiles whole,
     wait_rooted's second argument keeps it to the wait, as Inductor does for its collectives."""
     key = _key(out)
-    if key in _IN_FLIGHT:
+    earlier = _IN_FLIGHT.get(key)
+    if earlier is not None and not earlier.out.expired():
         raise RuntimeError(f"zpp::rooted ops: {what} returned a tensor already in flight (a bug in zpp_compile)")
-    _IN_FLIGHT[key] = _InFlight([work.get_future().then(_without_value) for work in works], group_name, what)
+    # An expired entry is a result dropped without its wait (opcheck runs an op and drops it; a step
+    # that failed before its waits): its works held `out` until they finished, so they are done with
+    # this memory, and the allocator handing it out again is no conflict.
+    _IN_FLIGHT[key] = _InFlight(
+        [work.get_future().then(_without_value) for work in works],
+        group_name,
+        what,
+        StorageWeakRef(out.untyped_storage()),
+    )
 
 
 def _without_value(done: torch.futures.Future) -> None:
