@@ -23,6 +23,9 @@ compiled anyway; a file system whose locks fail (some network or FUSE mounts) ma
 compile alone, logged once. A region another rank compiled that still misses the cache (a cache
 key that differs where the digest does not) is compiled here, and logged. On a host with one GPU
 per rank the regions differ by device index (Inductor keys on it): each rank compiles its own.
+
+Regions only: a graph compiled whole differs from rank to rank (a bucketed gather's input is this
+rank's slot of its output, at an offset baked into the code), so no other rank could reuse it.
 """
 
 from __future__ import annotations
