@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
@@ -76,9 +77,9 @@ def _compile_noting(compile_one, name: str, order: list[str], holder: subprocess
         holder.wait()
 
 
-def _first_step(cache: str, share: bool) -> dict:
-    """One forward and backward of HF GPT-2 (ZeRO-3, compiled by region) in the Inductor cache
-    `cache` ({rank} is this rank): the loss and compile_sharing.counts()."""
+def _first_step(cache: str, share: bool, by_region: bool = True) -> dict:
+    """One forward and backward of HF GPT-2 (ZeRO-3, compiled by region or whole) in the Inductor
+    cache `cache` ({rank} is this rank): the loss and compile_sharing.counts()."""
     import torch.distributed as dist
 
     from .models import batch, build, loss_of
@@ -87,7 +88,7 @@ def _first_step(cache: str, share: bool) -> dict:
     try:
         with temporary_cache_dir(cache.format(rank=rank)):
             torch.manual_seed(0)
-            config = zpp_compile.Config(inductor_regions=True, share_compiles=share, **RATES)
+            config = zpp_compile.Config(inductor_regions=by_region, share_compiles=share, **RATES)
             model = zpp_compile.shard(build("hf_gpt2"), config)
             x, _ = batch("hf_gpt2", 2 * world, 0)
             x = x.chunk(world)[rank].clone()  # a view would have a rank's own storage offset
@@ -98,13 +99,16 @@ def _first_step(cache: str, share: bool) -> dict:
         reset_process_state()
 
 
-def test_ranks_sharing_a_cache_compile_each_region_once_between_them(pools, tmp_path):
-    """Two ranks, each alone in its cache, miss every region; two ranks in one cache miss each
-    region once between them (what one compiled is a hit for the other), and train the same."""
-    alone = pools(2).run(_first_step, os.path.join(tmp_path, "rank{rank}"), True)
-    shared = pools(2).run(_first_step, os.path.join(tmp_path, "shared"), True)
+@pytest.mark.parametrize("by_region", [True, False], ids=["regions", "whole_graphs"])
+def test_ranks_sharing_a_cache_compile_each_region_once_between_them(pools, tmp_path, by_region):
+    """Two ranks, each alone in its cache, miss every region (or whole graph: the forward and the
+    backward); two ranks in one cache miss each once between them (what one compiled is a hit for
+    the other), and train the same."""
+    alone = pools(2).run(_first_step, os.path.join(tmp_path, "rank{rank}"), True, by_region)
+    shared = pools(2).run(_first_step, os.path.join(tmp_path, "shared"), True, by_region)
     regions = alone[0]["misses"]
-    assert regions > 4 and all(r["misses"] == r["compiled"] == regions for r in alone), alone
+    assert regions > 4 if by_region else regions == 2, alone
+    assert all(r["misses"] == r["compiled"] == regions for r in alone), alone
     assert sum(r["misses"] for r in shared) == regions, shared  # once between them (unshared: 2 x regions)
     assert all(r["compiled"] + r["from_peers"] == regions for r in shared), shared
     assert all(r["peer_misses"] == 0 for r in shared), shared

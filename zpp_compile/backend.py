@@ -365,10 +365,10 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any], ctx: passes.PassCon
     whole = passes.compiled_whole_reason(gm, ctx)
     if whole:
         log.debug("zeropp: %s compiles whole: %s", ctx.label, whole)
-        return compile_graph(gm, example_inputs)
+        return inductor_regions.compile_whole(gm, list(example_inputs), compile_graph, _job_compiler(ctx))
     # compiled_graphs() keeps the rewritten graph as the passes left it.
     cut = gm if is_copy else fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    return inductor_regions.compile_regions(cut, compile_graph, _region_compiler(ctx))
+    return inductor_regions.compile_regions(cut, compile_graph, _job_compiler(ctx))
 
 
 def _compile_batched(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
@@ -391,9 +391,9 @@ def _compile_unbatched(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: 
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def _region_compiler(ctx: passes.PassContext) -> Callable[[list[inductor_regions.RegionCompile]], None]:
-    """How a graph's distinct regions get compiled: shared with the other ranks of the host
-    (Config.share_compiles), or each by this rank."""
+def _job_compiler(ctx: passes.PassContext) -> Callable[[list[inductor_regions.RegionCompile]], None]:
+    """How a graph's compile jobs (its distinct regions, or the graph whole) get compiled: shared
+    with the other ranks of the host (Config.share_compiles), or each by this rank."""
     if not ctx.config.share_compiles:
         return inductor_regions.compile_each
     return functools.partial(compile_sharing.run_compiles, timeout_s=ctx.topology.collective_timeout_s)

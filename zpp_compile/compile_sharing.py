@@ -24,8 +24,10 @@ compile alone, logged once. A region another rank compiled that still misses the
 key that differs where the digest does not) is compiled here, and logged. On a host with one GPU
 per rank the regions differ by device index (Inductor keys on it): each rank compiles its own.
 
-Regions only: a graph compiled whole differs from rank to rank (a bucketed gather's input is this
-rank's slot of its output, at an offset baked into the code), so no other rank could reuse it.
+A graph Inductor compiles whole is one such job (inductor_regions.compile_whole): the same on the
+ranks of a host where nothing rank-dependent is in its code (bucket_collectives gathers from the
+concatenation; hpZ's secondary slice is at this rank's offset, so under hpZ each rank compiles its
+own).
 """
 
 from __future__ import annotations

@@ -213,6 +213,32 @@ def compile_each(jobs: list[RegionCompile]) -> None:
         job.compile()
 
 
+class WholeGraphCompile(RegionCompile):
+    """A graph compiled whole (no regions: see passes.compiled_whole_reason), as one job, so that
+    compile_sharing deals it out like a region: the ranks of a host compiling the same graph
+    compile it once between them."""
+
+    def compile(self) -> None:
+        # In the tracing context AOTAutograd set up: a whole graph's output strides are the ones
+        # it expects.
+        self.compiled = self.compile_region(self.graph, self.fake_inputs)
+
+
+def compile_whole(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    compile_graph: CompileRegion,
+    compile_all: Callable[[list[RegionCompile]], None] = compile_each,
+) -> Callable[[list[Any]], Any]:
+    """gm compiled whole by `compile_graph`, through `compile_all` as one job (its digest: the
+    graph's code and its inputs' geometry, as a region's)."""
+    key = _reuse_key(gm, example_inputs)
+    digest = None if key is None else _digest(key, compile_graph)
+    job = WholeGraphCompile(digest, len(gm.graph.nodes), gm, example_inputs, compile_graph)
+    compile_all([job])
+    return job.compiled  # type: ignore[return-value]
+
+
 def inputs_list(*inputs: Any) -> list[Any]:
     """A region's inputs as the list its boxed callable takes (and empties)."""
     return list(inputs)
@@ -276,7 +302,7 @@ def compile_regions(
         taken.update(n for n in run if n not in own)
         if region is None:
             continue
-        key = _reuse_key(region)
+        key = _reuse_key(region.graph, [i.meta["val"] for i in region.inputs])
         if key is None or key not in jobs:
             digest = None if key is None else _digest(key, compile_region)
             fake_inputs = [i.meta["val"] for i in region.inputs]
@@ -303,13 +329,21 @@ def _digest(key: tuple, compile_region: CompileRegion) -> str:
     return hashlib.sha256(repr((key, how)).encode()).hexdigest()[:32]
 
 
-def _reuse_key(region: Region) -> Optional[tuple]:
-    """What makes two regions' compiled code interchangeable; None for a region with constants
-    (their values are not in its code)."""
-    if any(n.op == "get_attr" for n in region.graph.graph.nodes):
+def _reuse_key(gm: fx.GraphModule, inputs: list[Any]) -> Optional[tuple]:
+    """What makes two graphs' (or regions') compiled code interchangeable: their code and their
+    inputs' geometry. None for a graph with constants (their values are not in its code), with
+    symbolic sizes, or taking anything but tensors and plain numbers."""
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
         return None
-    inputs = tuple(
-        (tuple(v.shape), v.stride(), v.dtype, v.device, v.storage_offset())
-        for v in (i.meta["val"] for i in region.inputs)
-    )
-    return region.graph.code, inputs
+    geometry = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            sizes = (*value.shape, *value.stride(), value.storage_offset())
+            if not all(isinstance(size, int) for size in sizes):
+                return None
+            geometry.append((tuple(value.shape), value.stride(), value.dtype, value.device, value.storage_offset()))
+        elif type(value) in (int, float, bool):
+            geometry.append(value)
+        else:
+            return None
+    return gm.code, tuple(geometry)

@@ -58,14 +58,18 @@ def test_a_bucketed_gather_reads_the_concatenated_shards_not_this_ranks_slot(gro
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
 
 
-def test_a_graph_inductor_compiles_whole_keeps_inductors_copy_into_the_slot(group_of_one):
-    """Compiled whole, the gather's wait would not keep the concatenation alive (Inductor's memory
-    planner would reuse it while the collective still reads it): the copy into the slot stays."""
+def test_a_graph_inductor_compiles_whole_gathers_the_concatenation_out_of_place(group_of_one):
+    """Compiled whole, an `_out` gather's wait would not keep the concatenation alive (Inductor's
+    memory planner would reuse it while the collective still reads it): the gather becomes the
+    out-of-place one, whose input Inductor keeps to the wait, with no rank offset in the graph."""
     gm, args = _three_layers(group_of_one)
     want = gm(*args)
     gm = bucket_collectives(gm, context(group_of_one, inductor_regions=False))
-    (gather,) = (n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor_out.default)
-    assert gather.args[0].target is torch.ops.aten.copy_.default
+    (gather,) = (n for n in gm.graph.nodes if n.target in COLLECTIVE_STARTS)
+    assert gather.target is c10d.all_gather_into_tensor.default
+    assert gather.args[0].target is torch.ops.aten.cat.default
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten.copy_.default not in targets and torch.ops.aten.empty.memory_format not in targets
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
 
 

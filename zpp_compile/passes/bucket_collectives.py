@@ -10,7 +10,9 @@ Before:  a = wait(all_gather(x, 4, g)); b = wait(all_gather(y, 4, g))
 After:   ab = wait(all_gather(cat(x, y), 4, g)); a, b = the per-rank slices of ab, copied out
 A merged gather takes the concatenation as its input, not this rank's slot of its output buffer
 (Inductor's form, copy_(slot, cat) then all_gather(slot, out=buffer), puts the rank's offset into
-the graph): so every rank's graph is the same, and a host compiles it once (compile_sharing).
+the graph): so every rank's graph is the same, and a host compiles it once (compile_sharing). In
+a graph Inductor compiles whole, the gather becomes the out-of-place all_gather(cat), whose input
+Inductor keeps alive until the wait.
 qgZ's all-to-alls are bucketed by qgz itself (Inductor does not bucket all-to-all).
 All-reduces (gradients of parameters every rank holds whole: 0-d ones, and those of at most
 Config.keep_whole_numel elements; no pass emits others, a model's own sum all-reduces on the world
@@ -71,6 +73,8 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             merge(gm, buckets, "default")
     if collectives_run_outside_inductor(gm, ctx):
         _gather_from_concatenation(gm)
+    else:
+        _gather_out_of_place(gm)
     after = _count(gm)
     if after == before:
         log.debug("bucket_collectives: %s: nothing to merge; graph unchanged", ctx.label)
@@ -115,15 +119,43 @@ def _gather_from_concatenation(gm: fx.GraphModule) -> None:
     rank offset. Only where the collectives run outside Inductor: nothing then keeps `cat` alive
     until the wait in a graph Inductor compiles whole (it reused the buffer for the next kernel
     while gloo was still sending it: wrong gradients, tests/test_scheduling.py)."""
+    for gather, copied, slot, concatenated in _copies_into_the_slot(gm):
+        gather.replace_input_with(copied, concatenated)
+        gm.graph.erase_node(copied)
+        gm.graph.erase_node(slot)
+
+
+def _gather_out_of_place(gm: fx.GraphModule) -> None:
+    """all_gather_out(copy_(slice(out, rank*n, ...), cat), out=out) -> all_gather(cat), in a graph
+    Inductor compiles whole: Inductor keeps an out-of-place collective's input alive until its
+    wait (NOTE [Out-of-Place Collective Safety]), which it does not do for an `_out` one's. The
+    graph then carries no rank offset, so the ranks of a host that compile it alike compile it
+    once between them (compile_sharing). The cost: `cat` lives until the wait, and the collective
+    copies it into this rank's slot (1/group of the output) instead of the kernel writing there."""
+    for gather, copied, slot, concatenated in _copies_into_the_slot(gm):
+        out = gather.kwargs["out"]
+        if set(out.users) != {gather, slot}:  # `out` read other than through the gather
+            continue
+        with gm.graph.inserting_before(gather):
+            gathered = gm.graph.call_function(c10d.all_gather_into_tensor.default, (concatenated, *gather.args[1:]))
+        gathered.meta = dict(gather.meta)
+        gather.replace_all_uses_with(gathered)
+        for node in (gather, copied, slot, out):
+            gm.graph.erase_node(node)
+
+
+def _copies_into_the_slot(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
+    """(gather, copy_, slot, cat) of each bucketed gather in Inductor's form:
+    all_gather_out(copy_(slot = slice(out, rank*n, ...), cat), out=out)."""
+    found = []
     for gather in calls(gm.graph, c10d.all_gather_into_tensor_out.default):
         copied, out = gather.args[0], gather.kwargs.get("out")
         if not (is_call(copied, aten.copy_.default) and len(copied.users) == 1):
             continue
         slot, concatenated = copied.args[:2]
         if is_plain_copy_into_slot_of(out, slot, concatenated):
-            gather.replace_input_with(copied, concatenated)
-            gm.graph.erase_node(copied)
-            gm.graph.erase_node(slot)
+            found.append((gather, copied, slot, concatenated))
+    return found
 
 
 def is_plain_copy_into_slot_of(out: fx.Node, slot: fx.Node, source: fx.Node) -> bool:
