@@ -247,9 +247,9 @@ class Config:
     share_compiles: bool = _field(
         True,
         "the ranks of one host that share an Inductor cache directory compile each distinct region of a graph "
-        "(`inductor_regions`) once between them: a rank skips the regions another is compiling (a file lock in "
-        "the cache directory) and loads them from the cache afterwards. No collective; `False`: each rank "
-        "compiles every region itself",
+        "(`inductor_regions`), or each graph compiled whole, once between them: a rank skips the regions another "
+        "is compiling (a file lock in the cache directory) and loads them from the cache afterwards. No "
+        "collective; `False`: each rank compiles every region itself",
     )
     batch_cpu_kernels: bool = _field(
         True,
