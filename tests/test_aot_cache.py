@@ -90,7 +90,7 @@ def _inductor_cache_outcome(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> s
     return "hit" if hits and not misses else "miss" if misses and not hits else f"{hits} hits, {misses} misses"
 
 
-def test_inductors_cache_misses_when_zpp_compiles_code_changes(tmp_path, monkeypatch):
+def test_inductors_cache_misses_when_zpp_compiles_code_changes(tmp_path, monkeypatch, group_of_one):
     """Inductor keys a custom op by its name only: a graph calling zpp's ops, compiled by other
     code (an older fake kernel's strides), must not be loaded."""
     import torch._inductor.config as inductor_config
@@ -101,10 +101,12 @@ def test_inductors_cache_misses_when_zpp_compiles_code_changes(tmp_path, monkeyp
     from torch.fx.experimental.proxy_tensor import make_fx
 
     inputs = [torch.randn(8, 4)]
-    gm = make_fx(lambda x: (torch.ops.zpp.owned_copy(x[:, 1:3]) * 2,))(*inputs)
     outcomes = []
     with inductor_config.patch(fx_graph_cache=True, force_disable_caches=False):
         for version in ("a", "a", "b"):
             monkeypatch.setattr(aot_cache, "code_version", lambda v=version: v * 16)
+            # Traced anew for each compile, as the backend hands each compile a graph of its own
+            # (a compile writes into its graph's node meta, which the cache key reads).
+            gm = make_fx(lambda x: (torch.ops.zpp.owned_slot(x.reshape(-1), 1, group_of_one) * 2,))(*inputs)
             outcomes.append(_inductor_cache_outcome(gm, inputs))
     assert outcomes == ["miss", "hit", "miss"], outcomes

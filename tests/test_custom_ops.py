@@ -52,12 +52,8 @@ def test_add_rows():
     opcheck(torch.ops.zpp.add_rows, (grad, (index != 2).unsqueeze(-1), index, torch.randn(2, 3, 4)))
 
 
-def test_owned_copy_of_a_strided_slice():
-    opcheck(torch.ops.zpp.owned_copy, (torch.randn(6, 8)[:, 2:5],))
-
-
 @pytest.mark.parametrize(
-    "name", ["gather_param", "replicated_param", "reduce_grad", "all_reduce_grad", "rooted_all_gather"]
+    "name", ["gather_param", "replicated_param", "reduce_grad", "all_reduce_grad", "rooted_all_gather", "owned_slot"]
 )
 def test_collective_ops_on_a_group_of_one(group_of_one, name):
     part = torch.randn(6, 8)[:, 2:5]  # a strided 6 x 3 part
@@ -67,6 +63,7 @@ def test_collective_ops_on_a_group_of_one(group_of_one, name):
         "reduce_grad": (part, 18, 18, 1, group_of_one),
         "all_reduce_grad": (part, 1, group_of_one),
         "rooted_all_gather": (torch.randn(8), 1, group_of_one),
+        "owned_slot": (torch.randn(6, 8)[:, 2:4].reshape(-1), 1, group_of_one),
     }[name]
     opcheck(getattr(torch.ops.zpp, name), args, test_utils=("test_schema", "test_faketensor"))
 

@@ -153,16 +153,27 @@ def _(grad, group_size, group_name, *, fqn="") -> Tensor:
     return torch.empty_like(grad, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("zpp::owned_copy", mutates_args=())
-def owned_copy(x: Tensor) -> Tensor:
-    """A copy in a buffer of its own. Opaque on purpose: Inductor drops a plain clone of a slice
-    (remove_noop_ops) and would return a view that keeps the whole gathered weight alive."""
-    return x.clone(memory_format=torch.contiguous_format)
+@torch.library.custom_op("zpp::owned_slot", mutates_args=())
+def owned_slot(flat: Tensor, slots: int, group_name: str) -> Tensor:
+    """This rank's slot of `flat` cut into `slots` equal parts (the slot of its rank in the group
+    `group_name`), in a buffer of its own. Opaque on purpose: Inductor drops a plain clone of a
+    slice (remove_noop_ops) and would return a view that keeps the whole of `flat` alive. The rank
+    is read when the op runs, not written into the graph: the graph is then the same on every rank
+    of the group, and a host compiles it once (compile_sharing)."""
+    _check_slots(flat, slots)
+    rank = dist.get_rank(_resolve_process_group(group_name))
+    return flat.reshape(slots, -1)[rank].clone(memory_format=torch.contiguous_format)
 
 
-@owned_copy.register_fake
-def _(x: Tensor) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+@owned_slot.register_fake
+def _(flat: Tensor, slots: int, group_name: str) -> Tensor:
+    _check_slots(flat, slots)
+    return flat.new_empty(flat.numel() // slots)
+
+
+def _check_slots(flat: Tensor, slots: int) -> None:
+    if flat.dim() != 1 or flat.numel() % slots:
+        raise ValueError(f"zpp::owned_slot: a flat tensor of {flat.numel()} elements does not cut into {slots} slots")
 
 
 def _eager_all_gather(shard: Tensor, group_size: int, group_name: str, fqn: str) -> Tensor:

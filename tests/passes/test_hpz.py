@@ -1,5 +1,6 @@
 import dataclasses
 
+import pytest
 import torch
 
 import zpp_compile  # noqa: F401  (registers zpp:: ops)
@@ -40,12 +41,24 @@ def _run_hpz(**config):
 def test_forward_saves_its_half_of_the_weight_and_backward_gathers_in_node():
     fw, bw = _run_hpz()
     saved = fw.graph.output_node().args[0][1]
-    assert saved.target == torch.ops.zpp.owned_copy.default and saved.meta["val"].shape == (132,)
-    piece = saved.args[0]
-    assert piece.target == torch.ops.aten.slice.Tensor and piece.args[2:] == (132, 264)  # rank 1 keeps [132, 264)
+    assert saved.target == torch.ops.zpp.owned_slot.default and saved.meta["val"].shape == (132,)
+    # Half of the padded weight (264 = 4 x 66): the slot of this rank in the hpZ group, found when
+    # it runs (no rank in the graph).
+    assert saved.args[0].meta["val"].shape == (264,) and saved.args[1:] == (2, "hpz_01")
     (gather,) = [n for n in bw.graph.nodes if n.target == torch.ops.zpp.gather_param.default]
     assert gather.args[3:] == (132, 2, "hpz_01")
     assert gather.args[0].op == "placeholder" and gather.args[0].meta["val"].shape == (132,)
+
+
+@pytest.mark.parametrize("config", [{}, {"quantize_weights": True, "weight_block_size": 64}], ids=["fp32", "int8"])
+def test_the_ranks_of_an_hpz_group_get_the_same_graphs(config):
+    """No rank offset in the graphs (passes/README.md, invariant 8): the ranks of a node compile
+    them once between them (compile_sharing)."""
+    codes = []
+    for rank in (0, 1):
+        ctx = context(dataclasses.replace(TOPOLOGY, rank=rank), phase="partitioned", hpz_size=2, **config)
+        codes.append(tuple(gm.code for gm in hpz(*_partitioned_pair(), ctx)))
+    assert codes[0] == codes[1]
 
 
 def test_with_qwz_the_secondary_is_this_ranks_slice_of_the_gathered_int8_payloads():

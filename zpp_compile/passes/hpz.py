@@ -9,14 +9,14 @@ Before (forward saves the primary shard; the backward re-gathers over the whole 
     bw:  shard (input) -> w = zpp.gather_param(shard, numel, shape, S, W, world)
 
 After, full-precision secondary (qwZ off):
-    fw:  w = zpp.gather_param(shard, ...); sec = owned_copy(pad(w.view(-1))[k*W*S/K : (k+1)*W*S/K])
+    fw:  w = zpp.gather_param(shard, ...); sec = owned_slot(pad(w.view(-1)), K, hpz_group)  [k*W*S/K : (k+1)*W*S/K]
          return (out, ..., sec)
     bw:  sec (input) -> w = zpp.gather_param(sec, numel, shape, W*S/K, K, hpz_group, fqn=...)
     (Under mixed precision w, and so sec, are in param_dtype: the backward gather needs no cast.)
 
 After, int8 secondary (qwZ on, or a frozen weight stored int8; Config.hpz_quantized_secondary):
     fw:  payload = quantize_packed(shard); g = wait(all_gather(payload))     (qwZ, inlined here)
-         w = dequantize_packed(g)...;  sec = owned_copy(g[k*W/K payloads : (k+1)*W/K payloads])
+         w = dequantize_packed(g)...;  sec = owned_slot(g, K, hpz_group)  [k*W/K payloads : (k+1)*W/K payloads]
     bw:  sec (input) -> w = zpp.gather_quantized_param(sec, numel, shape, S, block, dtype, K, hpz_group)
 The K-rank gather of the W/K-payload slices rebuilds exactly the W payloads the forward gathered,
 so the backward dequantizes the very bytes the forward did.
@@ -91,7 +91,7 @@ def _full_precision_secondary(graph: fx.Graph, marker: fx.Node, ctx: PassContext
     if total != numel:
         flat = insert_call(graph, aten.constant_pad_nd.default, flat, [0, total - numel])
     topology = ctx.topology
-    secondary = _own_slice(graph, flat, total // topology.hpz_size, ctx)
+    secondary = _own_slice(graph, flat, ctx)
     args = (numel, shape, total // topology.hpz_size, topology.hpz_size, topology.hpz_group_name)
     return secondary, (torch.ops.zpp.gather_param.default, args)
 
@@ -101,18 +101,19 @@ def _int8_secondary(graph: fx.Graph, marker: fx.Node, ctx: PassContext) -> tuple
     group_size = marker.args[-2]
     weight, gathered, layout = inline_int8_gather(graph, marker, ctx.config.weight_block_size, ctx.decompositions)
     replace_node(marker, weight)
-    secondary = _own_slice(graph, gathered, gathered.meta["val"].numel() // ctx.topology.hpz_size, ctx)
+    secondary = _own_slice(graph, gathered, ctx)
     _, _, shard_numel, block, _ = layout
     assert secondary.meta["val"].numel() == group_size // ctx.topology.hpz_size * payload_numel(shard_numel, block)
     args = (*layout, ctx.topology.hpz_size, ctx.topology.hpz_group_name)
     return secondary, (torch.ops.zpp.gather_quantized_param.default, args)
 
 
-def _own_slice(graph: fx.Graph, flat: fx.Node, length: int, ctx: PassContext) -> fx.Node:
-    start = ctx.topology.hpz_rank * length
-    piece = insert_call(graph, aten.slice.Tensor, flat, 0, start, start + length)
-    # Its own buffer, so the full weight can be freed after its last forward use (see ops.owned_copy).
-    secondary = insert_call(graph, torch.ops.zpp.owned_copy.default, piece)
+def _own_slice(graph: fx.Graph, flat: fx.Node, ctx: PassContext) -> fx.Node:
+    """This rank's 1/K of `flat` in a buffer of its own: the secondary shard."""
+    topology = ctx.topology
+    # Its own buffer, so the full weight can be freed after its last forward use; the slot found at
+    # run time, so the ranks of an hpZ group have the same graph (ops.owned_slot).
+    secondary = insert_call(graph, torch.ops.zpp.owned_slot.default, flat, topology.hpz_size, topology.hpz_group_name)
     secondary.meta["zpp_hpz_secondary"] = True
     return secondary
 
