@@ -24,10 +24,11 @@ compile alone, logged once. A region another rank compiled that still misses the
 key that differs where the digest does not) is compiled here, and logged. On a host with one GPU
 per rank the regions differ by device index (Inductor keys on it): each rank compiles its own.
 
-A graph Inductor compiles whole is one such job (inductor_regions.compile_whole): the same on the
-ranks of a host where nothing rank-dependent is in its code (bucket_collectives gathers from the
-concatenation; hpZ's secondary slice is at this rank's offset, so under hpZ each rank compiles its
-own).
+A graph Inductor compiles whole is one such job (inductor_regions.compile_whole). Graphs and
+regions are the same on the ranks that share their groups because nothing rank-dependent is in
+their code (passes/README.md, invariant 8): bucket_collectives gathers from the concatenation,
+and hpZ's secondary shard is cut by zpp::owned_slot, which finds the rank's slot when it runs.
+Ranks of different nodes differ by their groups' names (hpZ, qgZ), and compile their own.
 """
 
 from __future__ import annotations
