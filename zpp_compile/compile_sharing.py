@@ -71,9 +71,10 @@ def _reset() -> None:
 
 
 def counts() -> dict[str, int]:
-    """This process's regions so far (see _Counts): compiled without waiting, FX-graph cache
-    misses, waited for while another rank compiled them, how many of those missed the cache
-    anyway, and how many were compiled here after the wait ran out."""
+    """This process's regions so far (a graph compiled whole counts as one; see _Counts):
+    compiled without waiting, FX-graph cache misses, waited for while another rank compiled them,
+    how many of those missed the cache anyway, and how many were compiled here after the wait ran
+    out."""
     return dataclasses.asdict(_COUNTS)
 
 

@@ -116,21 +116,28 @@ def test_collectives_below_the_threshold_keep_the_functional_form(group_of_one):
     assert root_large_collectives(gm, context(group_of_one, phase="backward")).code == code
 
 
-def test_gathers_and_bucketed_gathers_are_rooted(group_of_one, every_tensor_rooted):
+@pytest.mark.parametrize(
+    "lowering",
+    # A bucketed gather is all_gather_out(cat, out=buffer) by region, all_gather(cat) compiled whole.
+    [({"inductor_regions": True}, c10d.all_gather_into_tensor_out), ({}, c10d.all_gather_into_tensor)],
+    ids=["regions", "whole"],
+)
+def test_gathers_and_bucketed_gathers_are_rooted(group_of_one, every_tensor_rooted, lowering):
+    config, bucketed_form = lowering
     for bucketed in (False, True):
         gm, args = gathered_layers(group_of_one)
         expected = gm(*args)
         if bucketed:
-            gm = bucket_collectives(gm, context(group_of_one))
-            assert c10d.all_gather_into_tensor_out.default in targets(gm)
-        gm = root_large_collectives(gm, context(group_of_one))
+            gm = bucket_collectives(gm, context(group_of_one, **config))
+            assert bucketed_form.default in targets(gm)
+        gm = root_large_collectives(gm, context(group_of_one, **config))
         after = targets(gm)
         gathers = [c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default]
         assert not set(gathers) & set(after)
         assert (
             after.count(zpp.rooted_all_gather.default) == after.count(zpp.wait_rooted.default) == (1 if bucketed else 3)
         )
-        # Bucketing's output buffer and its copy into this rank's slot went with the _out gather.
+        # Bucketing's output buffer (and any copy into this rank's slot) went with the gather.
         assert aten.copy_.default not in after and aten.empty.memory_format not in after
         torch.testing.assert_close(gm(*args), expected)
 
