@@ -302,10 +302,10 @@ def compile_regions(
         taken.update(n for n in run if n not in own)
         if region is None:
             continue
-        key = _reuse_key(region.graph, [i.meta["val"] for i in region.inputs])
+        fake_inputs = [i.meta["val"] for i in region.inputs]
+        key = _reuse_key(region.graph, fake_inputs)
         if key is None or key not in jobs:
             digest = None if key is None else _digest(key, compile_region)
-            fake_inputs = [i.meta["val"] for i in region.inputs]
             size = len(region.graph.graph.nodes)
             jobs[key or index] = RegionCompile(digest, size, region.graph, fake_inputs, compile_region)
         _replace_run(gm, run, region, _boxed_region(jobs[key or index]), index)

@@ -119,7 +119,7 @@ def _gather_from_concatenation(gm: fx.GraphModule) -> None:
     rank offset. Only where the collectives run outside Inductor: nothing then keeps `cat` alive
     until the wait in a graph Inductor compiles whole (it reused the buffer for the next kernel
     while gloo was still sending it: wrong gradients, tests/test_scheduling.py)."""
-    for gather, copied, slot, concatenated in _copies_into_the_slot(gm):
+    for gather, copied, slot, concatenated, _ in _copies_into_the_slot(gm):
         gather.replace_input_with(copied, concatenated)
         gm.graph.erase_node(copied)
         gm.graph.erase_node(slot)
@@ -132,8 +132,7 @@ def _gather_out_of_place(gm: fx.GraphModule) -> None:
     graph then carries no rank offset, so the ranks of a host that compile it alike compile it
     once between them (compile_sharing). The cost: `cat` lives until the wait, and the collective
     copies it into this rank's slot (1/group of the output) instead of the kernel writing there."""
-    for gather, copied, slot, concatenated in _copies_into_the_slot(gm):
-        out = gather.kwargs["out"]
+    for gather, copied, slot, concatenated, out in _copies_into_the_slot(gm):
         if set(out.users) != {gather, slot}:  # `out` read other than through the gather
             continue
         with gm.graph.inserting_before(gather):
@@ -144,8 +143,8 @@ def _gather_out_of_place(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
-def _copies_into_the_slot(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
-    """(gather, copy_, slot, cat) of each bucketed gather in Inductor's form:
+def _copies_into_the_slot(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, fx.Node]]:
+    """(gather, copy_, slot, cat, out) of each bucketed gather in Inductor's form:
     all_gather_out(copy_(slot = slice(out, rank*n, ...), cat), out=out)."""
     found = []
     for gather in calls(gm.graph, c10d.all_gather_into_tensor_out.default):
@@ -154,7 +153,7 @@ def _copies_into_the_slot(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx
             continue
         slot, concatenated = copied.args[:2]
         if is_plain_copy_into_slot_of(out, slot, concatenated):
-            found.append((gather, copied, slot, concatenated))
+            found.append((gather, copied, slot, concatenated, out))
     return found
 
 
