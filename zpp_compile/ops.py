@@ -109,7 +109,7 @@ def gather_quantized_param(
     (Config.quantize_frozen_weights) and for hpZ's backward gather under qwZ.
     """
     gathered = _eager_all_gather(payload, group_size, group_name, fqn)
-    return weight_from_payloads(gathered, numel, shape, shard_numel, block, dtype)
+    return weight_from_payloads(gathered, numel, shape, shard_numel, block, dtype, senders=group_size)
 
 
 @gather_quantized_param.register_fake

@@ -138,3 +138,34 @@ def test_a_weight_shorter_than_its_payloads_is_written_once(shard, numel):
         for s in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", code)
     ]
     assert [size for size in sizes if size >= numel] == [numel]
+
+
+@pytest.mark.parametrize("shard", [BLOCK - 16, 2 * BLOCK], ids=["padded", "whole_blocks"])
+def test_payloads_from_fewer_senders_are_read_affinely_from_a_bucket(shard):
+    """hpZ's backward: 2 senders each send 2 of the 4 payloads, and bucketing puts them at an
+    offset in each sender's row. Read by (sender, payload of the sender) the dequantize kernel
+    loads the int8 values as vectors at affine indices; read by a flat payload number it
+    gathered them one by one at indices nested in floor divisions by the sender's slice length,
+    which Inductor's vector analysis took ~15 ms each to answer (docs/compile_time.md)."""
+    group, senders = 4, 2
+    numel = group * shard - (7 if shard % BLOCK else 0)
+    full = torch.randn(group * shard)
+    payloads = [quantize_packed(full[r * shard : (r + 1) * shard], BLOCK) for r in range(group)]
+    per_sender = torch.stack(payloads).view(senders, -1)  # [senders, 2 payloads]
+    bucket = torch.cat(
+        [torch.zeros(senders, 40, dtype=torch.int8), per_sender, torch.ones(senders, 24, dtype=torch.int8)], 1
+    )
+    expected = dequantize_packed(torch.cat(payloads), group, shard, BLOCK, torch.float32)[:numel]
+    width = per_sender.shape[1]
+
+    def weight(bucket: torch.Tensor) -> torch.Tensor:
+        gathered = bucket[:, 40 : 40 + width].reshape(-1)  # as Inductor's bucketing splits it out
+        return weight_from_payloads(gathered, numel, [numel], shard, BLOCK, torch.float32, senders=senders)
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        got, (code,) = run_and_get_code(torch.compile(weight, fullgraph=True), bucket)
+    assert torch.equal(got, expected) and torch.equal(weight(bucket), expected)
+    assert "Vectorized<int8_t>::loadu(in_ptr0" in code, "the int8 values are loaded as vectors"
+    assert "tmpbuf" not in code, "no element-by-element gather"
+    assert f"{width}L" not in code, "no floor division by the sender's slice length"

@@ -83,12 +83,24 @@ def pack_payload(q: Tensor, scale: Tensor) -> Tensor:
     return torch.cat([q.reshape(-1), scale.view(torch.int8)])
 
 
-def unpack_payloads(payloads: Tensor, group_size: int, shard_numel: int, block: int) -> tuple[Tensor, Tensor]:
-    """All ranks' payloads, concatenated -> (q [group, n_blocks, block], scale [group, n_blocks])."""
+def unpack_payloads(
+    payloads: Tensor, group_size: int, shard_numel: int, block: int, senders: int = 0
+) -> tuple[Tensor, Tensor]:
+    """All ranks' payloads, concatenated -> (q [senders, per, n_blocks, block], scale [senders, per,
+    n_blocks]): the output of a gather over `senders` ranks (group_size by default), each of which
+    sent per = group_size / senders payloads back to back (hpZ's secondary).
+
+    Indexed by (sender, payload of the sender), not by a flat payload number: in a bucketed gather
+    the payloads are a slice of each sender's row, so a flat number n would read the bucket at
+    row (P*n + c) // (per*P), floor divisions that Inductor's C++ code generation takes ~15 ms
+    each to analyse (docs/compile_time.md); (sender, payload) reads it affinely."""
+    senders = senders or group_size
+    if group_size % senders:
+        raise ValueError(f"{group_size} payloads cannot come from {senders} senders in equal parts")
     nb = num_blocks(shard_numel, block)
-    rows = payloads.view(group_size, payload_numel(shard_numel, block))
-    q = rows[:, : nb * block].view(group_size, nb, block)
-    return q, float32_from_bytes(rows[:, nb * block :])
+    rows = payloads.view(senders, group_size // senders, payload_numel(shard_numel, block))
+    q = rows[..., : nb * block].unflatten(-1, (nb, block))
+    return q, float32_from_bytes(rows[..., nb * block :])
 
 
 def float32_from_bytes(raw: Tensor) -> Tensor:
@@ -115,12 +127,18 @@ def quantize_packed(shard: Tensor, block: int) -> Tensor:
 
 
 def dequantize_packed(
-    payloads: Tensor, group_size: int, shard_numel: int, block: int, dtype: torch.dtype, numel: Optional[int] = None
+    payloads: Tensor,
+    group_size: int,
+    shard_numel: int,
+    block: int,
+    dtype: torch.dtype,
+    numel: Optional[int] = None,
+    senders: int = 0,
 ) -> Tensor:
     """All ranks' payloads, concatenated -> the flat full tensor in `dtype`: its first `numel`
-    elements (all group_size * shard_numel by default)."""
+    elements (all group_size * shard_numel by default). `senders`: see unpack_payloads."""
     nb = num_blocks(shard_numel, block)
-    q, scale = unpack_payloads(payloads, group_size, shard_numel, block)
+    q, scale = unpack_payloads(payloads, group_size, shard_numel, block, senders)
     total = group_size * shard_numel if numel is None else numel
     if nb * block == shard_numel and total == group_size * shard_numel:
         return dequantize_int8_blocks(q, scale, dtype).reshape(-1)
@@ -128,9 +146,12 @@ def dequantize_packed(
     # payload by index (see the module docstring), so only the weight is written. Dequantizing the
     # padded whole and slicing it made Inductor write both, the padded buffer unread (2 x 147 MB
     # and 2.3x the time for GPT-2's embedding on 4 ranks).
+    per_sender = q.shape[1]
     i = torch.arange(total, device=payloads.device)
     rank, within = i // shard_numel, i % shard_numel
-    return (q.reshape(group_size, -1)[rank, within].float() * scale[rank, within // block]).to(dtype)
+    sender, slot = rank // per_sender, rank % per_sender
+    q_rows = q.flatten(-2)
+    return (q_rows[sender, slot, within].float() * scale[sender, slot, within // block]).to(dtype)
 
 
 def weight_from_payloads(
@@ -141,9 +162,11 @@ def weight_from_payloads(
     block: int,
     dtype: torch.dtype,
     dequantize: Callable[[Tensor, int, int, int, torch.dtype], Tensor] = dequantize_packed,
+    senders: int = 0,
 ) -> Tensor:
-    """Gathered payloads (each for `shard_numel` values) -> the full weight: unpadded, shaped."""
+    """Gathered payloads (each for `shard_numel` values) -> the full weight: unpadded, shaped.
+    `senders`: how many ranks the gather had (see unpack_payloads); one payload each by default."""
     n_payloads = gathered.numel() // payload_numel(shard_numel, block)
     if dequantize is dequantize_packed:  # torch code: the weight alone, not a padded whole sliced
-        return dequantize_packed(gathered, n_payloads, shard_numel, block, dtype, numel).view(shape)
+        return dequantize_packed(gathered, n_payloads, shard_numel, block, dtype, numel, senders).view(shape)
     return dequantize(gathered, n_payloads, shard_numel, block, dtype)[:numel].view(shape)

@@ -80,7 +80,9 @@ def gather_and_dequantize(
     """
     c10d = torch.ops._c10d_functional
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(payload, group_size, group_name))
-    weight = weight_from_payloads(gathered, numel, shape, shard_numel, block, dtype, kernels.dequantize_packed)
+    weight = weight_from_payloads(
+        gathered, numel, shape, shard_numel, block, dtype, kernels.dequantize_packed, senders=group_size
+    )
     return weight, gathered
 
 
