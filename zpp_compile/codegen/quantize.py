@@ -6,7 +6,8 @@ Inductor turns it into fused C++/OpenMP kernels on CPU (the same code runs eager
 What one rank sends is one packed int8 payload, and one all-gather carries it:
     [ q: n_blocks * block int8 | scales: n_blocks float32, bit-cast to 4 * n_blocks int8 ]
 block is a multiple of 8, so every rank's scales start 4-byte aligned in the gathered buffer.
-They are read back by float32_from_bytes, which Inductor fuses into the dequantize kernel. The
+They are written by bytes_from_float32 and read back by float32_from_bytes, which Inductor fuses
+into the quantize and dequantize kernels. The
 Triton kernels (triton_quantize.py) write and read exactly this layout.
 
 Inductor 2.13 on CPU miscompiles "int8 * scale, reshape, slice each row, flatten" (values of
@@ -80,7 +81,15 @@ def dequantize_int8_blocks(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tens
 
 def pack_payload(q: Tensor, scale: Tensor) -> Tensor:
     """(q int8 [n_blocks, block], scale float32 [n_blocks]) -> one int8 payload (layout above)."""
-    return torch.cat([q.reshape(-1), scale.view(torch.int8)])
+    return concat_bytes([q.reshape(-1), bytes_from_float32(scale, torch.int8)], torch.int8)
+
+
+def concat_bytes(parts: list[Tensor], dtype: torch.dtype, dim: int = 0) -> Tensor:
+    """torch.cat of int8 or uint8 tensors, which Inductor compiles into the kernels that compute
+    the parts. Its CPU lowering of a cat of 1-byte tensors is always an extern aten.cat (the parts
+    realized in buffers of their own, then copied); widened to int32 the cat is pointwise and the
+    narrowing back fuses into it."""
+    return torch.cat([part.to(torch.int32) for part in parts], dim=dim).to(dtype)
 
 
 def unpack_payloads(
@@ -119,6 +128,21 @@ def float32_from_bytes(raw: Tensor) -> Tensor:
     # no shift into the sign bit) and is the float's bit pattern read as an int32.
     bits = top * (1 << 24) + b[..., mid_high] * (1 << 16) + b[..., mid_low] * (1 << 8) + b[..., low]
     return bits.view(torch.float32)
+
+
+def bytes_from_float32(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """[..., k] float32 -> [..., 4 * k] int8 or uint8: the bytes `values.view(dtype)` gives.
+
+    Split off with shifts and masks of a same-width bit-cast (to int32), which Inductor fuses into
+    the kernel that computes the values and writes them where the payload goes. A bit-cast to a
+    narrower dtype is not fusable: an extern view, then an extern cat per payload, then a copy into
+    the bucket. The inverse of float32_from_bytes."""
+    bits = values.view(torch.int32)
+    in_memory_order = [(bits >> (8 * _BYTE_ORDER_LOW_FIRST.index(p))) & 0xFF for p in range(SCALE_BYTES)]
+    raw = torch.stack(in_memory_order, dim=-1).flatten(-2)  # each byte as 0..255
+    if dtype == torch.int8:
+        raw = (raw ^ 0x80) - 0x80  # the same byte read signed: -128..127
+    return raw.to(dtype)
 
 
 def quantize_packed(shard: Tensor, block: int) -> Tensor:

@@ -12,7 +12,9 @@ A merged gather takes the concatenation as its input, not this rank's slot of it
 (Inductor's form, copy_(slot, cat) then all_gather(slot, out=buffer), puts the rank's offset into
 the graph): so every rank's graph is the same, and a host compiles it once (compile_sharing). In
 a graph Inductor compiles whole, the gather becomes the out-of-place all_gather(cat), whose input
-Inductor keeps alive until the wait.
+Inductor keeps alive until the wait. Where Inductor's merge folded a cast before the gathers into
+its copy (qwZ's payloads are made in int32, codegen/quantize.concat_bytes), the gather sends the
+cast concatenation: all_gather(convert(cat(int32 parts), int8)).
 qgZ's all-to-alls are bucketed by qgz itself (Inductor does not bucket all-to-all).
 All-reduces (gradients of parameters every rank holds whole: 0-d ones, and those of at most
 Config.keep_whole_numel elements; no pass emits others, a model's own sum all-reduces on the world
@@ -47,6 +49,7 @@ from .graph_utils import (
     COLLECTIVE_STARTS,
     calls,
     finish,
+    insert_call,
     is_call,
     random_nodes,
     stable_topological_sort,
@@ -120,7 +123,7 @@ def _gather_from_concatenation(gm: fx.GraphModule) -> None:
     until the wait in a graph Inductor compiles whole (it reused the buffer for the next kernel
     while gloo was still sending it: wrong gradients, tests/test_scheduling.py)."""
     for gather, copied, slot, concatenated, _ in _copies_into_the_slot(gm):
-        gather.replace_input_with(copied, concatenated)
+        gather.replace_input_with(copied, _what_the_copy_sends(gm.graph, copied, slot, concatenated))
         gm.graph.erase_node(copied)
         gm.graph.erase_node(slot)
 
@@ -135,8 +138,9 @@ def _gather_out_of_place(gm: fx.GraphModule) -> None:
     for gather, copied, slot, concatenated, out in _copies_into_the_slot(gm):
         if set(out.users) != {gather, slot}:  # `out` read other than through the gather
             continue
+        sent = _what_the_copy_sends(gm.graph, copied, slot, concatenated)
         with gm.graph.inserting_before(gather):
-            gathered = gm.graph.call_function(c10d.all_gather_into_tensor.default, (concatenated, *gather.args[1:]))
+            gathered = gm.graph.call_function(c10d.all_gather_into_tensor.default, (sent, *gather.args[1:]))
         gathered.meta = dict(gather.meta)
         gather.replace_all_uses_with(gathered)
         for node in (gather, copied, slot, out):
@@ -145,25 +149,36 @@ def _gather_out_of_place(gm: fx.GraphModule) -> None:
 
 def _copies_into_the_slot(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, fx.Node]]:
     """(gather, copy_, slot, cat, out) of each bucketed gather in Inductor's form:
-    all_gather_out(copy_(slot = slice(out, rank*n, ...), cat), out=out)."""
+    all_gather_out(copy_(slot = slice(out, rank*n, ...), cat), out=out). The copy may cast: Inductor's
+    bucketing folds a cast right before a gather into it (qwZ's payloads are made in int32, see
+    codegen/quantize.concat_bytes)."""
     found = []
     for gather in calls(gm.graph, c10d.all_gather_into_tensor_out.default):
         copied, out = gather.args[0], gather.kwargs.get("out")
         if not (is_call(copied, aten.copy_.default) and len(copied.users) == 1):
             continue
         slot, concatenated = copied.args[:2]
-        if is_plain_copy_into_slot_of(out, slot, concatenated):
+        if is_plain_copy_into_slot_of(out, slot, concatenated, allow_cast=True):
             found.append((gather, copied, slot, concatenated, out))
     return found
 
 
-def is_plain_copy_into_slot_of(out: fx.Node, slot: fx.Node, source: fx.Node) -> bool:
-    """slot is a slice of `out` read by nothing but the copy, and the copy neither casts nor
-    broadcasts `source`."""
+def is_plain_copy_into_slot_of(out: fx.Node, slot: fx.Node, source: fx.Node, *, allow_cast: bool = False) -> bool:
+    """slot is a slice of `out` read by nothing but the copy, and the copy does not broadcast
+    `source`, nor cast it unless `allow_cast`."""
     if not (is_call(slot, aten.slice.Tensor) and slot.args[0] is out and len(slot.users) == 1):
         return False
     into, value = slot.meta["val"], source.meta["val"]
-    return into.dtype == value.dtype and into.shape == value.shape
+    return (allow_cast or into.dtype == value.dtype) and into.shape == value.shape
+
+
+def _what_the_copy_sends(graph: fx.Graph, copied: fx.Node, slot: fx.Node, source: fx.Node) -> fx.Node:
+    """`source`, cast to the slot's dtype where the copy into the slot casts it."""
+    dtype = slot.meta["val"].dtype
+    if source.meta["val"].dtype == dtype:
+        return source
+    with graph.inserting_before(copied):
+        return insert_call(graph, torch.ops.prims.convert_element_type.default, source, dtype)
 
 
 def _count(gm: fx.GraphModule) -> int:
