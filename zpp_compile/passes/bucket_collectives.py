@@ -13,7 +13,7 @@ A merged gather takes the concatenation as its input, not this rank's slot of it
 the graph): so every rank's graph is the same, and a host compiles it once (compile_sharing). In
 a graph Inductor compiles whole, the gather becomes the out-of-place all_gather(cat), whose input
 Inductor keeps alive until the wait. Where Inductor's merge folded a cast before the gathers into
-its copy (qwZ's payloads are made in int32, codegen/quantize.concat_bytes), the gather sends the
+its copy (qwZ's payloads are made in int32, codegen/quantize.concat_with_scale_bytes), the gather sends the
 cast concatenation: all_gather(convert(cat(int32 parts), int8)).
 qgZ's all-to-alls are bucketed by qgz itself (Inductor does not bucket all-to-all).
 All-reduces (gradients of parameters every rank holds whole: 0-d ones, and those of at most
@@ -151,7 +151,7 @@ def _copies_into_the_slot(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx
     """(gather, copy_, slot, cat, out) of each bucketed gather in Inductor's form:
     all_gather_out(copy_(slot = slice(out, rank*n, ...), cat), out=out). The copy may cast: Inductor's
     bucketing folds a cast right before a gather into it (qwZ's payloads are made in int32, see
-    codegen/quantize.concat_bytes)."""
+    codegen/quantize.concat_with_scale_bytes)."""
     found = []
     for gather in calls(gm.graph, c10d.all_gather_into_tensor_out.default):
         copied, out = gather.args[0], gather.kwargs.get("out")
