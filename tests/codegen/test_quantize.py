@@ -5,10 +5,8 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from zpp_compile.codegen.int4 import quantize_int4_chunks
 from zpp_compile.codegen.quantize import (
     QMAX,
-    bytes_from_float32,
     dequantize_int8_blocks,
     dequantize_packed,
     float32_from_bytes,
@@ -91,34 +89,6 @@ def test_scales_read_back_from_strided_bytes_are_the_same_bits():
         assert torch.equal(float32_from_bytes(raw).view(torch.int32), values.view(torch.int32))
         compiled = torch.compile(float32_from_bytes, fullgraph=True)(raw)
         assert torch.equal(compiled.view(torch.int32), values.view(torch.int32))
-
-
-@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
-def test_bytes_from_float32_are_the_bytes_a_bit_cast_gives(dtype):
-    values = torch.cat([torch.randn(64), torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45])])
-    assert torch.equal(bytes_from_float32(values, dtype), values.view(dtype))
-    compiled = torch.compile(lambda v: bytes_from_float32(v * 1.0, dtype), fullgraph=True)(values)
-    assert torch.equal(compiled, values.view(dtype))
-    assert torch.equal(float32_from_bytes(compiled).view(torch.int32), values.view(torch.int32))
-
-
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_a_payload_is_quantized_by_one_kernel_with_no_extern_copies(kind):
-    """The scales' bytes split off with integer arithmetic and the payload concatenated in int32:
-    one kernel call per payload. A bit-cast to bytes (`scale.view(torch.int8)`) and a cat of
-    1-byte tensors made Inductor call aten's view and cat outside its kernels, the parts in
-    buffers of their own, each payload copied once more."""
-    x = torch.randn(4, 3 * BLOCK)
-    quantize = {
-        "int8": lambda x: quantize_packed(x[0, : 3 * BLOCK - 10] * 2.0, BLOCK),
-        "int4": lambda x: quantize_int4_chunks(x * 2.0, BLOCK),
-    }[kind]
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        got, (code,) = run_and_get_code(torch.compile(quantize, fullgraph=True), x)
-    assert torch.equal(got, quantize(x))
-    assert "aten.cat" not in code and "aten.view.dtype" not in code
-    assert len(re.findall(r"^\s+cpp_fused\w*\(", code, re.MULTILINE)) == 1, "one kernel called"
 
 
 def test_inductor_dequantizes_from_a_bucket_without_copying_the_scales_out():

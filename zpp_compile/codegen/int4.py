@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .quantize import SCALE_BYTES, concat_with_scale_bytes, float32_from_bytes, round_symmetric
+from .quantize import SCALE_BYTES, float32_from_bytes, round_symmetric
 
 QMAX = 7
 OFFSET = 8
@@ -43,7 +43,7 @@ def quantize_int4_chunks(chunks: Tensor, block: int) -> Tensor:
     q, scale = round_symmetric(chunks.float().reshape(*lead, chunk // block, block), QMAX)
     q = (q + OFFSET).to(torch.uint8).reshape(*lead, chunk // 2, 2)
     packed = q[..., 0] | (q[..., 1] << 4)
-    return concat_with_scale_bytes(packed, scale, torch.uint8)
+    return torch.cat([packed, scale.view(torch.uint8).reshape(*lead, -1)], dim=-1)
 
 
 def dequantize_int4_chunks(payloads: Tensor, chunk: int, block: int) -> Tensor:

@@ -6,8 +6,7 @@ Inductor turns it into fused C++/OpenMP kernels on CPU (the same code runs eager
 What one rank sends is one packed int8 payload, and one all-gather carries it:
     [ q: n_blocks * block int8 | scales: n_blocks float32, bit-cast to 4 * n_blocks int8 ]
 block is a multiple of 8, so every rank's scales start 4-byte aligned in the gathered buffer.
-They are written by concat_with_scale_bytes and read back by float32_from_bytes, both of which
-Inductor fuses into the quantize and dequantize kernels. The
+They are read back by float32_from_bytes, which Inductor fuses into the dequantize kernel. The
 Triton kernels (triton_quantize.py) write and read exactly this layout.
 
 Inductor 2.13 on CPU miscompiles "int8 * scale, reshape, slice each row, flatten" (values of
@@ -81,7 +80,7 @@ def dequantize_int8_blocks(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tens
 
 def pack_payload(q: Tensor, scale: Tensor) -> Tensor:
     """(q int8 [n_blocks, block], scale float32 [n_blocks]) -> one int8 payload (layout above)."""
-    return concat_with_scale_bytes(q.reshape(-1), scale, torch.int8)
+    return torch.cat([q.reshape(-1), scale.view(torch.int8)])
 
 
 def unpack_payloads(
@@ -120,32 +119,6 @@ def float32_from_bytes(raw: Tensor) -> Tensor:
     # no shift into the sign bit) and is the float's bit pattern read as an int32.
     bits = top * (1 << 24) + b[..., mid_high] * (1 << 16) + b[..., mid_low] * (1 << 8) + b[..., low]
     return bits.view(torch.float32)
-
-
-def bytes_from_float32(values: Tensor, dtype: torch.dtype) -> Tensor:
-    """[..., k] float32 -> [..., 4 * k] int8 or uint8: the bytes `values.view(dtype)` gives. The
-    inverse of float32_from_bytes."""
-    return _byte_values(values, dtype).to(dtype)
-
-
-def concat_with_scale_bytes(values: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """cat([values, the bytes of the float32 `scale`], -1) as `dtype` (int8 or uint8): a payload.
-
-    Made in int32 and narrowed once, which Inductor compiles into the kernel that computes the
-    values and the scales, and bucketed, into the bucket itself (passes/bucket_collectives.py).
-    The bit-cast `scale.view(dtype)` and a cat of 1-byte tensors are not fusable on CPU: Inductor
-    calls aten's view and cat for them, each part in a buffer of its own, then copied."""
-    return torch.cat([values.to(torch.int32), _byte_values(scale, dtype)], dim=-1).to(dtype)
-
-
-def _byte_values(values: Tensor, dtype: torch.dtype) -> Tensor:
-    """The bytes of `values.view(dtype)` as int32, each in dtype's range: shifts and masks of a
-    same-width bit-cast (to int32), in the order the bytes sit in memory."""
-    little_endian = _BYTE_ORDER_LOW_FIRST[0] == 0
-    start, end, step = (0, 32, 8) if little_endian else (24, -8, -8)
-    shifts = torch.arange(start, end, step, dtype=torch.int32, device=values.device)
-    raw = ((values.view(torch.int32).unsqueeze(-1) >> shifts) & 0xFF).flatten(-2)
-    return (raw ^ 0x80) - 0x80 if dtype == torch.int8 else raw  # int8: the same byte read signed
 
 
 def quantize_packed(shard: Tensor, block: int) -> Tensor:

@@ -12,9 +12,9 @@ A merged gather takes the concatenation as its input, not this rank's slot of it
 (Inductor's form, copy_(slot, cat) then all_gather(slot, out=buffer), puts the rank's offset into
 the graph): so every rank's graph is the same, and a host compiles it once (compile_sharing). In
 a graph Inductor compiles whole, the gather becomes the out-of-place all_gather(cat), whose input
-Inductor keeps alive until the wait. Where Inductor's merge folded a cast before the gathers into
-its copy (qwZ's payloads are made in int32, codegen/quantize.concat_with_scale_bytes), the gather sends the
-cast concatenation: all_gather(convert(cat(int32 parts), int8)).
+Inductor keeps alive until the wait. Where Inductor's merge folded the casts before the gathers
+into its copy (mixed precision: each shard cast to Config.param_dtype), the gather sends the cast
+concatenation, all_gather(convert(cat(shards), param_dtype)): no rank offset there either.
 qgZ's all-to-alls are bucketed by qgz itself (Inductor does not bucket all-to-all).
 All-reduces (gradients of parameters every rank holds whole: 0-d ones, and those of at most
 Config.keep_whole_numel elements; no pass emits others, a model's own sum all-reduces on the world
@@ -150,8 +150,7 @@ def _gather_out_of_place(gm: fx.GraphModule) -> None:
 def _copies_into_the_slot(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node, fx.Node]]:
     """(gather, copy_, slot, cat, out) of each bucketed gather in Inductor's form:
     all_gather_out(copy_(slot = slice(out, rank*n, ...), cat), out=out). The copy may cast: Inductor's
-    bucketing folds a cast right before a gather into it (qwZ's payloads are made in int32, see
-    codegen/quantize.concat_with_scale_bytes)."""
+    bucketing folds a cast right before a gather into it (mixed precision's, lower_gather)."""
     found = []
     for gather in calls(gm.graph, c10d.all_gather_into_tensor_out.default):
         copied, out = gather.args[0], gather.kwargs.get("out")
