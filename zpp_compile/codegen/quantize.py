@@ -84,7 +84,7 @@ def pack_payload(q: Tensor, scale: Tensor) -> Tensor:
 
 
 def unpack_payloads(
-    payloads: Tensor, group_size: int, shard_numel: int, block: int, senders: int = 0
+    payloads: Tensor, group_size: int, shard_numel: int, block: int, senders: Optional[int] = None
 ) -> tuple[Tensor, Tensor]:
     """All ranks' payloads, concatenated -> (q [senders, per, n_blocks, block], scale [senders, per,
     n_blocks]): the output of a gather over `senders` ranks (group_size by default), each of which
@@ -94,7 +94,7 @@ def unpack_payloads(
     the payloads are a slice of each sender's row, so a flat number n would read the bucket at
     row (P*n + c) // (per*P), floor divisions that Inductor's C++ code generation takes ~15 ms
     each to analyse (docs/compile_time.md); (sender, payload) reads it affinely."""
-    senders = senders or group_size
+    senders = group_size if senders is None else senders
     if group_size % senders:
         raise ValueError(f"{group_size} payloads cannot come from {senders} senders in equal parts")
     nb = num_blocks(shard_numel, block)
@@ -133,7 +133,7 @@ def dequantize_packed(
     block: int,
     dtype: torch.dtype,
     numel: Optional[int] = None,
-    senders: int = 0,
+    senders: Optional[int] = None,
 ) -> Tensor:
     """All ranks' payloads, concatenated -> the flat full tensor in `dtype`: its first `numel`
     elements (all group_size * shard_numel by default). `senders`: see unpack_payloads."""
@@ -162,7 +162,7 @@ def weight_from_payloads(
     block: int,
     dtype: torch.dtype,
     dequantize: Callable[[Tensor, int, int, int, torch.dtype], Tensor] = dequantize_packed,
-    senders: int = 0,
+    senders: Optional[int] = None,
 ) -> Tensor:
     """Gathered payloads (each for `shard_numel` values) -> the full weight: unpadded, shaped.
     `senders`: how many ranks the gather had (see unpack_payloads); one payload each by default."""
