@@ -27,7 +27,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster import measure_rates, plot  # noqa: E402
 
-LOSSLESS = ("zeropp ZeRO-3", "zeropp + qwZ", "zeropp + hpZ", "zeropp qwZ+hpZ")
+LOSSLESS = (
+    "zeropp ZeRO-3",
+    "zeropp + qwZ",
+    "zeropp + hpZ",
+    "zeropp qwZ+hpZ",
+    "zeropp + hier. reduce",
+    "zeropp qwZ+hpZ+hier.",
+)
 LOSSY = ("zeropp + qgZ", "zeropp qwZ+hpZ+qgZ")
 AUTO = {"zeropp auto": LOSSLESS, "zeropp auto lossy": LOSSLESS + LOSSY}
 LINK_BYTES_PER_S = {"100mbit": 100e6 / 8, "1gbit": 1e9 / 8}

@@ -36,6 +36,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "zeropp + qgZ": ("zeropp", {"quantize_gradients": True}),
     "zeropp qwZ+hpZ": ("zeropp", QWZ_HPZ),
     "zeropp qwZ+hpZ+qgZ": ("zeropp", ZERO_PP),
+    "zeropp + hier. reduce": ("zeropp", {"hierarchical_reduce": True}),
+    "zeropp qwZ+hpZ+hier.": ("zeropp", {**QWZ_HPZ, "hierarchical_reduce": True}),
     "zeropp auto": ("zeropp", {"plan": "auto"}),
     "zeropp auto lossy": ("zeropp", {"plan": "auto", "allow_lossy": True}),
     "FSDP2 fp32": ("fsdp2", {}),

@@ -37,9 +37,25 @@ def _chosen(topology: Topology, cost: CostModel, headroom: int = 2**40, **config
     return pick(estimates)
 
 
-def test_a_slow_link_between_nodes_gets_qwz_and_hpz_with_int8_secondary_shards():
+def test_a_slow_link_between_nodes_gets_qwz_hpz_with_int8_secondary_shards_and_the_hierarchical_reduce():
     chosen = _chosen(TWO_NODES, _cost(0.1, 10.0))
-    assert chosen.option.techniques == Techniques(quantize_weights=True, hpz=True, hpz_int8=True)
+    assert chosen.option.techniques == Techniques(
+        quantize_weights=True, hpz=True, hpz_int8=True, hierarchical_reduce=True
+    )
+
+
+def test_the_hierarchical_reduce_sends_half_the_gradient_bytes_between_nodes_of_two_ranks():
+    config, cost = zpp_compile.Config(plan="auto"), _cost(0.1, 10.0)
+    flat, hierarchical = (
+        estimate(Option(Techniques(hierarchical_reduce=h), 0, 2), FACTS, TWO_NODES, cost, config, 2**40)
+        for h in (False, True)
+    )
+    gradients = sum(4 * n * b for n, b, _ in FACTS.reductions)  # each rank's whole gradient bytes
+    # flat: a rank sends its two peers on the other node their quarter; hierarchical: its node sum
+    # of the two chunks of its local index, half of it to the other node.
+    assert flat.inter_bytes - hierarchical.inter_bytes == gradients // 2 - gradients // 4
+    # In the node: flat sends its peer a quarter, hierarchical half of the whole gradient.
+    assert hierarchical.intra_bytes - flat.intra_bytes == gradients // 2 - gradients // 4
 
 
 def test_gradients_are_quantized_only_when_lossy_plans_are_allowed():
@@ -62,6 +78,11 @@ def test_one_node_never_weighs_hpz():
     config = zpp_compile.Config(plan="auto", allow_lossy=True)
     assert not any(o.techniques.hpz for o in options(ONE_NODE, config, True))
     assert not any(o.techniques.hpz or o.techniques.quantize_gradients for o in options(TWO_NODES, config, False))
+    assert not any(o.techniques.hierarchical_reduce for o in options(ONE_NODE, config, True))
+    # qgZ's reduction is hierarchical already: the two are never weighed together.
+    assert not any(
+        o.techniques.hierarchical_reduce and o.techniques.quantize_gradients for o in options(TWO_NODES, config, True)
+    )
 
 
 def test_a_tight_budget_rules_out_the_options_that_do_not_fit():
@@ -159,7 +180,7 @@ def test_auto_trains_exactly_as_the_manual_config_it_names_and_its_bytes_are_the
     plans = {tuple(r["auto"]["plans"]) for r in results}
     assert len(plans) == 1, f"ranks chose differently: {plans}"
     ((chosen, inter, intra),) = plans.pop()
-    assert chosen.startswith("qwZ + hpZ int8,"), chosen
+    assert chosen.startswith("qwZ + hpZ int8 + hierarchical reduce,"), chosen
     # The norms (32 elements) cost the 12.5 MB/s link less than gloo's fixed cost of a collective.
     assert results[0]["auto"]["configs"][0].keep_whole_numel >= 32
     for r in results:

@@ -21,7 +21,8 @@ times are bytes / the link's measured bandwidth plus Config.collective_latency_u
   comm     = forward gathers + backward gathers + gradient reductions (each collective's time is
              that of its slower link)
   compute  = per node max(FLOPs / compute rate, bytes read and written / memory rate) + kernel_us,
-             + QUANTIZE_COPIES copies' time per value quantized or dequantized
+             + QUANTIZE_COPIES copies' time per value quantized or dequantized, and one per value the
+             hierarchical reduce packs or sums
   step     = compute + comm - overlap * min(compute, comm - first gather bucket - last reduction bucket),
              overlap = prefetch / (prefetch + 1) (0 without prefetch): deeper prefetch hides more of
              the compute-long stretches; the first gather and the last reduction hide behind nothing
@@ -75,16 +76,17 @@ class Techniques:
     hpz: bool = False
     hpz_int8: bool = False  # the secondary shard kept as the int8 payloads (needs qwZ)
     quantize_gradients: bool = False
+    hierarchical_reduce: bool = False  # lossless; qgZ's reduction is hierarchical already
 
     @property
     def name(self) -> str:
         parts = [("qwZ", self.quantize_weights), ("hpZ int8" if self.hpz_int8 else "hpZ", self.hpz)]
-        parts.append(("qgZ", self.quantize_gradients))
+        parts += [("qgZ", self.quantize_gradients), ("hierarchical reduce", self.hierarchical_reduce)]
         return " + ".join(n for n, on in parts if on) or "ZeRO-3"
 
     @property
     def count(self) -> int:
-        return self.quantize_weights + self.hpz + self.quantize_gradients
+        return self.quantize_weights + self.hpz + self.quantize_gradients + self.hierarchical_reduce
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +254,8 @@ def technique_sets(topology: Topology, config: Config, training: bool) -> list[T
         for hpz in (False, True) if several_nodes and training else (False,):
             for hpz_int8 in (False, True) if hpz and qwz else (False,):
                 for qgz in (False, True) if config.allow_lossy and training else (False,):
-                    sets.append(Techniques(qwz, hpz, hpz_int8, qgz))
+                    for hierarchical in (False, True) if several_nodes and training and not qgz else (False,):
+                        sets.append(Techniques(qwz, hpz, hpz_int8, qgz, hierarchical))
     return sets
 
 
@@ -367,9 +370,9 @@ def _estimates(
 ) -> list[Estimate]:
     """estimate() for each prefetch depth of one (techniques, bucket cap): the bytes and buckets,
     hence the communication time, do not depend on the depth, so they are worked out once."""
-    links, quantized = _links(t, cap, facts, topology, cost, config)
+    links, copies = _links(t, cap, facts, topology, cost, config)
     comm_s, exposed_s = links.seconds()
-    compute_s = facts.compute_s + QUANTIZE_COPIES * cost.elementwise_seconds(quantized)
+    compute_s = facts.compute_s + cost.elementwise_seconds(copies)
     estimates = []
     for prefetch in prefetch_depths:
         option = Option(t, cap, prefetch)
@@ -384,12 +387,12 @@ def _estimates(
 def _links(
     t: Techniques, cap: int, facts: GraphFacts, topology: Topology, cost: CostModel, config: Config
 ) -> tuple[_Links, int]:
-    """What the techniques send per phase and link, bucketed under `cap`, and how many elements
-    they quantize or dequantize per step."""
+    """What the techniques send per phase and link, bucketed under `cap`, and how many element
+    copies' time they add per step (QUANTIZE_COPIES per value quantized or dequantized)."""
     world, local, nodes = topology.world_size, topology.ranks_per_node, topology.num_nodes
     links = _Links(cost, world, local, cap)
     block, gradient_block = config.weight_block_size, config.gradient_block_size
-    quantized = 0
+    quantized = copied = 0
     for shard_numel, wire_size, read_in_backward, kept, block_name in facts.gathers:
         full = shard_numel * world
         wire = payload_numel(shard_numel, block) if t.quantize_weights else shard_numel * wire_size
@@ -405,7 +408,11 @@ def _links(
             links.all_gather("backward", shard_numel * wire_size, world, block_name)
     for shard_numel, reduce_size, block_name in facts.reductions:
         full = shard_numel * world
-        if t.quantize_gradients:  # int4 all-to-all in the node, then of the partial sums across nodes
+        if t.hierarchical_reduce:  # all-to-all in the node, then of the node sums across nodes
+            size = full * reduce_size
+            links.send("reduce", size, size * (local - 1) // local, size // local * (nodes - 1) // nodes, block_name)
+            copied += full + full // local  # packed by destination, then the node sums (the rest fuses)
+        elif t.quantize_gradients:  # int4 all-to-all in the node, then of the partial sums across nodes
             int4, partial = (
                 chunk_payload_numel(full, gradient_block),
                 chunk_payload_numel(full // local, gradient_block),
@@ -422,7 +429,7 @@ def _links(
     for bucket in bucket_by_bytes(list(facts.all_reduces), lambda item: item[0] * item[1], cap, lambda item: None):
         nbytes = sum(numel * size for numel, size in bucket)
         links.send("all_reduce", nbytes, *_peer_split(2 * nbytes // world, world, local), None)
-    return links, quantized
+    return links, QUANTIZE_COPIES * quantized + copied
 
 
 class _Links:
@@ -623,6 +630,7 @@ def resolved_config(config: Config, option: Option, topology: Topology, *, keep_
         # Without qwZ only frozen int8 weights can keep an int8 secondary: leave them that default.
         hpz_quantized_secondary=t.hpz_int8 or not (t.hpz and t.quantize_weights),
         quantize_gradients=t.quantize_gradients,
+        hierarchical_reduce=t.hierarchical_reduce,
         qgz_error_feedback=feedback,
         qgz_error_beta=config.qgz_error_beta if feedback else 0.0,
         gather_bucket_bytes=option.bucket_bytes,

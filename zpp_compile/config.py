@@ -37,6 +37,7 @@ PLANNED_FIELDS = (
     "hpz_size",
     "hpz_quantized_secondary",
     "quantize_gradients",
+    "hierarchical_reduce",
     "gather_bucket_bytes",
     "reduce_bucket_bytes",
     "prefetch_limit",
@@ -103,6 +104,15 @@ class Config:
         "all-to-all in the node -> dequantize, sum, re-quantize -> all-to-all across nodes -> dequantize, sum, "
         "divide by the world once, in fp32. Inter-node gradient bytes: 1/8 of fp32 plus one scale per block. "
         "Compiled path only",
+    )
+    hierarchical_reduce: bool = _field(
+        False,
+        "lossless gradient reduce-scatter by qgZ's route: each bucket of gradients goes as an all-to-all in the "
+        "node, a sum (fp32), then an all-to-all of the node sums across nodes and a sum, in the gradients' own "
+        "dtype. A node sends the others (N-1)/N of the gradient bytes (N nodes) against (W-1)/W for a ring "
+        "reduce-scatter over W ranks and twice that for gloo's: 3x fewer bytes between nodes on 2 nodes x 2 "
+        "over gloo (docs/auto_plan.md). Equal to the reduce-scatter within float rounding, not bitwise (another "
+        'summation order). Implied by `quantize_gradients`; chosen by `plan="auto"` where it pays. Compiled path only',
     )
     gradient_block_size: int = _field(
         128,
@@ -289,6 +299,7 @@ class Config:
         _require_bool(self, "quantize_weights")
         _require_bool(self, "quantize_frozen_weights")
         _require_bool(self, "quantize_gradients")
+        _require_bool(self, "hierarchical_reduce")
         if self.inductor_regions is not None:
             _require_bool(self, "inductor_regions")
         _require_bool(self, "share_compiles")

@@ -102,7 +102,11 @@ def build_topology(config: Config, *, collective: bool = True) -> Topology:
         **(
             _node_group_names(world, rank, ranks_per_node, timeout_s)
             if collective
-            and (config.quantize_gradients or (config.auto_plan and (several_nodes or config.allow_lossy)))
+            and (
+                config.quantize_gradients
+                or config.hierarchical_reduce
+                or (config.auto_plan and (several_nodes or config.allow_lossy))
+            )
             else {}
         ),
     )

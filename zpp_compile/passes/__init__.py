@@ -15,6 +15,7 @@ from .context import PassContext
 from .dedupe_gathers import dedupe_gathers
 from .fold_scatter_grads import fold_scatter_grads
 from .graph_utils import deferred_recompile
+from .hierarchical_reduce import hierarchical_reduce
 from .hpz import hpz
 from .lower_gather import lower_gather
 from .lower_quantized_gather import lower_quantized_gather
@@ -51,12 +52,13 @@ FORWARD_PASSES: list[GraphPass] = [
     *SCHEDULING_PASSES,
     root_large_collectives,
 ]
-# qgz before lower_reduce: it rewrites the gradient reductions it quantizes.
+# qgz and hierarchical_reduce before lower_reduce: they rewrite the gradient reductions they take.
 BACKWARD_PASSES: list[GraphPass] = [
     lower_gather,
     lower_quantized_gather,
     lower_replicated,
     qgz,
+    hierarchical_reduce,
     lower_reduce,
     *SCHEDULING_PASSES,
     fold_scatter_grads,  # after scheduling: it writes in place, which their data dependences miss
@@ -112,6 +114,7 @@ __all__ = [
     "cuts_at_blocks",
     "dedupe_gathers",
     "fold_scatter_grads",
+    "hierarchical_reduce",
     "hpz",
     "kept_for_backward",
     "lower_gather",

@@ -25,11 +25,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import error_feedback  # noqa: F401  (registers zpp::ef_load / zpp::ef_store)
@@ -37,9 +36,8 @@ from ..codegen.quantize import ceil_div
 from ..codegen.registry import QuantKernels, quant_kernels
 from ..error_feedback import new_slot
 from ..topology import Topology
-from .buckets import blocks_of, bucket_by_bytes
 from .context import PassContext
-from .graph_utils import c10d, calls, finish, inline_traced, random_nodes, replace_node, stable_topological_sort
+from .hierarchical_reduce import all_to_all, node_rank_chunks, rewrite_reduction_buckets
 
 log = logging.getLogger(__name__)
 
@@ -48,44 +46,20 @@ def qgz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.config.quantize_gradients:
         log.debug("qgz: %s: Config.quantize_gradients is off; graph unchanged", ctx.label)
         return gm
-    markers = list(calls(gm.graph, torch.ops.zpp.reduce_grad.default))
-    if not markers:
-        log.debug("qgz: %s has no gradient reductions; graph unchanged", ctx.label)
-        return gm
-    for marker in markers:
-        if marker.args[3] != ctx.topology.world_size:
-            raise NotImplementedError(
-                f"qgz: {marker.name} reduces over {marker.args[3]} ranks; qgZ reduces over the world."
-            )
-    draws = random_nodes(gm.graph)
-    for bucket in bucket_by_bytes(markers, _gradient_bytes, ctx.config.reduce_bucket_bytes, blocks_of(ctx)):
-        _rewrite_bucket(gm.graph, bucket, ctx)
-    stable_topological_sort(gm.graph, draws)  # a user of an early marker may sit before the bucket's end
-    return finish(gm)
 
+    def reduce_bucket(bucket: list[fx.Node]) -> Callable[..., list[Tensor]]:
+        return functools.partial(
+            qgz_reduce_scatter,
+            numels=[marker.args[1] for marker in bucket],
+            shards=[marker.args[2] for marker in bucket],
+            topology=ctx.topology,
+            block=ctx.config.gradient_block_size,
+            kernels=quant_kernels(bucket[0].args[0].meta["val"].device),
+            error_slots=_error_slots(bucket, ctx) if ctx.config.qgz_error_feedback else None,
+            error_beta=ctx.config.qgz_error_beta,
+        )
 
-def _gradient_bytes(marker: fx.Node) -> int:
-    grad = marker.args[0].meta["val"]
-    return marker.args[1] * grad.element_size()
-
-
-def _rewrite_bucket(graph: fx.Graph, bucket: list[fx.Node], ctx: PassContext) -> None:
-    grads = [marker.args[0] for marker in bucket]
-    fn = functools.partial(
-        qgz_reduce_scatter,
-        numels=[marker.args[1] for marker in bucket],
-        shards=[marker.args[2] for marker in bucket],
-        topology=ctx.topology,
-        block=ctx.config.gradient_block_size,
-        kernels=quant_kernels(grads[0].meta["val"].device),
-        error_slots=_error_slots(bucket, ctx) if ctx.config.qgz_error_feedback else None,
-        error_beta=ctx.config.qgz_error_beta,
-    )
-    with graph.inserting_before(bucket[-1]):
-        shards = inline_traced(graph, fn, grads, ctx.decompositions)
-    log.debug("qgz: %s: one bucket of %d gradients", ctx.label, len(bucket))
-    for marker, shard in zip(bucket, shards):
-        replace_node(marker, shard)
+    return rewrite_reduction_buckets(gm, ctx, reduce_bucket, "qgz")
 
 
 def _error_slots(bucket: list[fx.Node], ctx: PassContext) -> tuple[int, int]:
@@ -119,7 +93,7 @@ def qgz_reduce_scatter(
     world, local, nodes = topology.world_size, topology.ranks_per_node, topology.num_nodes
     chunks = [ceil_div(shard, block) * block for shard in shards]
     values = torch.cat(
-        [_node_rank_chunks(g, n, s, c, nodes, local) for g, n, s, c in zip(grads, numels, shards, chunks)], -1
+        [node_rank_chunks(g.float(), n, s, c, nodes, local) for g, n, s, c in zip(grads, numels, shards, chunks)], -1
     )
     chunk = values.shape[-1]
     slots = error_slots or (None, None)
@@ -127,7 +101,7 @@ def qgz_reduce_scatter(
     if local == 1 and nodes == 1:
         total = values.view(chunk)
     elif nodes == 1:  # one node: the in-node stage gives the world sums
-        received = _all_to_all(
+        received = all_to_all(
             _quantize_swizzled(values, block, kernels, slots[0], stores), local, topology.node_group_name
         )
         total = kernels.int4_dequantize_reduce(received.view(local, 1, -1), chunk, block).view(chunk)
@@ -136,22 +110,16 @@ def qgz_reduce_scatter(
             payload = _quantize_swizzled(values, block, kernels, slots[1], stores)
         else:
             payload = _quantize_swizzled(values, block, kernels, slots[0], stores)  # [L, N, P]
-            received = _all_to_all(payload, local, topology.node_group_name).view(local, nodes, -1)
+            received = all_to_all(payload, local, topology.node_group_name).view(local, nodes, -1)
             residual = _load_error(received.new_empty(nodes, chunk, dtype=torch.float32), slots[1])
             payload, error = kernels.int4_dequantize_reduce_requantize(received, chunk, block, residual)
             stores.add(error, slots[1])
-        received = _all_to_all(payload, nodes, topology.cross_node_group_name).view(nodes, 1, -1)
+        received = all_to_all(payload, nodes, topology.cross_node_group_name).view(nodes, 1, -1)
         total = kernels.int4_dequantize_reduce(received, chunk, block).view(chunk)
     offsets = [sum(chunks[:i]) for i in range(len(chunks))]
     out = [(total[o : o + s] / world).to(g.dtype) for g, o, s in zip(grads, offsets, shards)]
     out[0] = sum(stores.zeros, out[0])
     return out
-
-
-def _node_rank_chunks(grad: Tensor, numel: int, shard: int, chunk: int, nodes: int, local: int) -> Tensor:
-    """[N, L, chunk]: the (padded) shard of rank n*L + l at [n, l], padded to whole blocks."""
-    flat = F.pad(grad.reshape(-1).float(), (0, nodes * local * shard - numel))
-    return F.pad(flat.view(nodes, local, shard), (0, chunk - shard))
 
 
 @dataclasses.dataclass
@@ -178,9 +146,3 @@ def _quantize_swizzled(
 
 def _load_error(like: Tensor, slot: Optional[int]) -> Optional[Tensor]:
     return None if slot is None else torch.ops.zpp.ef_load(like, slot)
-
-
-def _all_to_all(payload: Tensor, group_size: int, group_name: str) -> Tensor:
-    flat = payload.reshape(-1)
-    splits = [flat.numel() // group_size] * group_size
-    return c10d.wait_tensor(c10d.all_to_all_single(flat, splits, splits, group_name))
