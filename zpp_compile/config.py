@@ -272,7 +272,8 @@ class Config:
         "manual",
         '`"manual"`: the fields above say which ZeRO++ techniques run. `"auto"`: each compiled graph gets the '
         "communication plan the cost model estimates fastest within `memory_budget_bytes` -- qwZ, hpZ (and its "
-        "int8 secondary), bucket sizes, prefetch depth; qgZ only with `allow_lossy` -- from the links and compute "
+        "int8 secondary), the hierarchical reduce, bucket sizes, prefetch depth; qgZ only with `allow_lossy` -- "
+        "from the links and compute "
         "rate measured in `shard()` and the graph's own parameters and FLOPs; the fields it chooses must keep "
         "their defaults. Every rank chooses alike; `zpp_compile.explain(model)` prints each choice and the "
         "options weighed (docs/auto_plan.md)",
@@ -289,7 +290,8 @@ class Config:
         'with `plan="auto"`: the plan may also choose qgZ (int4 gradients), which changes the numerics of the '
         "gradient (qwZ is chosen without it: it rounds the forward's weights, not the update); with "
         "`qgz_error_feedback=True` as well, a graph that gets qgZ gets error feedback. Off: gradients are "
-        "reduced exactly as by ZeRO-3",
+        "reduced in full precision, by ZeRO-3's reduce-scatter or the hierarchical reduce (the same sums within "
+        "float rounding)",
     )
     dump_graphs_dir: Optional[str] = _field(
         None, "dump every graph before/after every pass to this folder (also `ZPP_DUMP_GRAPHS=dir`)"
