@@ -33,9 +33,10 @@ LOSSLESS = (
     "zeropp + hpZ",
     "zeropp qwZ+hpZ",
     "zeropp + hier. reduce",
+    "zeropp qwZ+hpZ+hier. reduce",
     "zeropp qwZ+hpZ+hier.",
 )
-LOSSY = ("zeropp + qgZ", "zeropp qwZ+hpZ+qgZ")
+LOSSY = ("zeropp + qgZ", "zeropp qwZ+hpZ+qgZ", "zeropp qwZ+hpZ+qgZ+hier. gather")
 AUTO = {"zeropp auto": LOSSLESS, "zeropp auto lossy": LOSSLESS + LOSSY}
 LINK_BYTES_PER_S = {"100mbit": 100e6 / 8, "1gbit": 1e9 / 8}
 

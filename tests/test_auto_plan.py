@@ -37,10 +37,10 @@ def _chosen(topology: Topology, cost: CostModel, headroom: int = 2**40, **config
     return pick(estimates)
 
 
-def test_a_slow_link_between_nodes_gets_qwz_hpz_with_int8_secondary_shards_and_the_hierarchical_reduce():
+def test_a_slow_link_between_nodes_gets_qwz_hpz_with_int8_secondary_shards_and_hierarchical_collectives():
     chosen = _chosen(TWO_NODES, _cost(0.1, 10.0))
     assert chosen.option.techniques == Techniques(
-        quantize_weights=True, hpz=True, hpz_int8=True, hierarchical_reduce=True
+        quantize_weights=True, hpz=True, hpz_int8=True, hierarchical_reduce=True, hierarchical_gather=True
     )
 
 
@@ -58,10 +58,26 @@ def test_the_hierarchical_reduce_sends_half_the_gradient_bytes_between_nodes_of_
     assert hierarchical.intra_bytes - flat.intra_bytes == gradients // 2 - gradients // 4
 
 
+def test_the_hierarchical_gather_sends_each_part_once_to_the_other_node():
+    config, cost = zpp_compile.Config(plan="auto"), _cost(0.1, 10.0)
+    flat, hierarchical = (
+        estimate(Option(Techniques(hierarchical_gather=h), 0, 2), FACTS, TWO_NODES, cost, config, 2**40)
+        for h in (False, True)
+    )
+    parts = 2 * sum(n * b for n, b, _, _, _ in FACTS.gathers)  # forward and backward, this rank's part each
+    # flat: its part to both ranks of the other node and to its node peer; hierarchical: to its
+    # counterpart on the other node, then the two parts it holds to its node peer.
+    assert flat.inter_bytes - hierarchical.inter_bytes == parts
+    assert hierarchical.intra_bytes - flat.intra_bytes == parts
+    assert hierarchical.compute_s > flat.compute_s  # the copy into world order
+
+
 def test_gradients_are_quantized_only_when_lossy_plans_are_allowed():
     assert not _chosen(TWO_NODES, _cost(0.1, 10.0)).option.techniques.quantize_gradients
     lossy = _chosen(TWO_NODES, _cost(0.1, 10.0), allow_lossy=True).option.techniques
-    assert lossy == Techniques(quantize_weights=True, hpz=True, hpz_int8=True, quantize_gradients=True)
+    assert lossy == Techniques(
+        quantize_weights=True, hpz=True, hpz_int8=True, quantize_gradients=True, hierarchical_gather=True
+    )
 
 
 def test_when_compute_hides_the_links_the_plan_with_fewest_techniques_wins():
@@ -180,7 +196,7 @@ def test_auto_trains_exactly_as_the_manual_config_it_names_and_its_bytes_are_the
     plans = {tuple(r["auto"]["plans"]) for r in results}
     assert len(plans) == 1, f"ranks chose differently: {plans}"
     ((chosen, inter, intra),) = plans.pop()
-    assert chosen.startswith("qwZ + hpZ int8 + hierarchical reduce,"), chosen
+    assert chosen.startswith("qwZ + hpZ int8 + hierarchical reduce + hierarchical gather,"), chosen
     # The norms (32 elements) cost the 12.5 MB/s link less than gloo's fixed cost of a collective.
     assert results[0]["auto"]["configs"][0].keep_whole_numel >= 32
     for r in results:
@@ -202,7 +218,7 @@ def test_allow_lossy_adds_qgz_on_a_slow_link(pools):
     results = pools(4).run(lossy_plan, "gpt")
     for r in results:
         ((name, _, _),) = r["plans"]
-        assert name.startswith("qwZ + hpZ int8 + qgZ,"), name
+        assert name.startswith("qwZ + hpZ int8 + qgZ + hierarchical gather,"), name
         assert r["configs"][0].quantize_gradients and r["inter"] > 0
 
 

@@ -22,14 +22,15 @@ times are bytes / the link's measured bandwidth plus Config.collective_latency_u
              that of its slower link)
   compute  = per node max(FLOPs / compute rate, bytes read and written / memory rate) + kernel_us,
              + QUANTIZE_COPIES copies' time per value quantized or dequantized, and one per value the
-             hierarchical reduce packs or sums
+             hierarchical reduce packs or sums and the hierarchical gather reorders
   step     = compute + comm - overlap * min(compute, comm - first gather bucket - last reduction bucket),
              overlap = prefetch / (prefetch + 1) (0 without prefetch): deeper prefetch hides more of
              the compute-long stretches; the first gather and the last reduction hide behind nothing
 Memory: shards + gradient shards (every graph) + hpZ secondary shards (from forward to backward) +
 the forward's tail kept gathered (Config.keep_last_weights_gathered, unless qwZ; every weight the
 backward reads under Config.save_gathered_weights) + (prefetch + 2) buckets as received (in flight,
-in use, and a gradient bucket being reduced).
+in use, and a gradient bucket being reduced), one more under the hierarchical gather (its copy
+into world order).
 """
 
 from __future__ import annotations
@@ -77,16 +78,24 @@ class Techniques:
     hpz_int8: bool = False  # the secondary shard kept as the int8 payloads (needs qwZ)
     quantize_gradients: bool = False
     hierarchical_reduce: bool = False  # lossless; qgZ's reduction is hierarchical already
+    hierarchical_gather: bool = False
 
     @property
     def name(self) -> str:
         parts = [("qwZ", self.quantize_weights), ("hpZ int8" if self.hpz_int8 else "hpZ", self.hpz)]
         parts += [("qgZ", self.quantize_gradients), ("hierarchical reduce", self.hierarchical_reduce)]
+        parts.append(("hierarchical gather", self.hierarchical_gather))
         return " + ".join(n for n, on in parts if on) or "ZeRO-3"
 
     @property
     def count(self) -> int:
-        return self.quantize_weights + self.hpz + self.quantize_gradients + self.hierarchical_reduce
+        return (
+            self.quantize_weights
+            + self.hpz
+            + self.quantize_gradients
+            + self.hierarchical_reduce
+            + self.hierarchical_gather
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,8 +263,9 @@ def technique_sets(topology: Topology, config: Config, training: bool) -> list[T
         for hpz in (False, True) if several_nodes and training else (False,):
             for hpz_int8 in (False, True) if hpz and qwz else (False,):
                 for qgz in (False, True) if config.allow_lossy and training else (False,):
-                    for hierarchical in (False, True) if several_nodes and training and not qgz else (False,):
-                        sets.append(Techniques(qwz, hpz, hpz_int8, qgz, hierarchical))
+                    for reduce in (False, True) if several_nodes and training and not qgz else (False,):
+                        for gather in (False, True) if several_nodes else (False,):
+                            sets.append(Techniques(qwz, hpz, hpz_int8, qgz, reduce, gather))
     return sets
 
 
@@ -390,13 +400,13 @@ def _links(
     """What the techniques send per phase and link, bucketed under `cap`, and how many element
     copies' time they add per step (QUANTIZE_COPIES per value quantized or dequantized)."""
     world, local, nodes = topology.world_size, topology.ranks_per_node, topology.num_nodes
-    links = _Links(cost, world, local, cap)
+    links = _Links(cost, world, local, cap, hierarchical_gather=t.hierarchical_gather)
     block, gradient_block = config.weight_block_size, config.gradient_block_size
     quantized = copied = 0
     for shard_numel, wire_size, read_in_backward, kept, block_name in facts.gathers:
         full = shard_numel * world
         wire = payload_numel(shard_numel, block) if t.quantize_weights else shard_numel * wire_size
-        links.all_gather("forward", wire, world, block_name)
+        copied += links.all_gather("forward", wire, world, block_name)
         quantized += (shard_numel + full) if t.quantize_weights else 0
         if not _regathered(read_in_backward, kept, t, facts):
             continue
@@ -405,7 +415,7 @@ def _links(
             links.all_gather("backward", part, local, block_name)
             quantized += full if t.hpz_int8 else 0
         else:
-            links.all_gather("backward", shard_numel * wire_size, world, block_name)
+            copied += links.all_gather("backward", shard_numel * wire_size, world, block_name)
     for shard_numel, reduce_size, block_name in facts.reductions:
         full = shard_numel * world
         if t.hierarchical_reduce:  # all-to-all in the node, then of the node sums across nodes
@@ -435,15 +445,22 @@ def _links(
 class _Links:
     """Bytes this rank sends per phase and link, and the buckets (under one cap) they travel in."""
 
-    def __init__(self, cost: CostModel, world: int, local: int, cap: int) -> None:
+    def __init__(self, cost: CostModel, world: int, local: int, cap: int, hierarchical_gather: bool = False) -> None:
         self.cost, self.world, self.local, self.cap = cost, world, local, cap
+        self.hierarchical_gather = hierarchical_gather
         # phase -> one (bytes as the bucket cap counts them, intra bytes, inter bytes, block) per
         # parameter, in graph order
         self.phases: dict[str, list[tuple[int, int, int, Optional[str]]]] = {}
 
-    def all_gather(self, phase: str, part: int, group: int, block: Optional[str]) -> None:
-        """An all-gather of a `part` of bytes from each of `group` ranks (a node's ranks first)."""
+    def all_gather(self, phase: str, part: int, group: int, block: Optional[str]) -> int:
+        """An all-gather of a `part` of bytes from each of `group` ranks (a node's ranks first);
+        returns what the hierarchical gather copies into world order, in fp32 values (0 if not one)."""
+        if self.hierarchical_gather and group == self.world and 1 < self.local < self.world:
+            nodes = self.world // self.local  # the part to each other node's counterpart, then N parts in the node
+            self.send(phase, part, part * nodes * (self.local - 1), part * (nodes - 1), block)
+            return part * self.world // 4
         self.send(phase, part, *_peer_split(part, group, self.local), block)
+        return 0
 
     def send(self, phase: str, counted: int, intra: int, inter: int, block: Optional[str]) -> None:
         self.phases.setdefault(phase, []).append((counted, intra, inter, block))
@@ -512,7 +529,8 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
     )
     if t.quantize_gradients and config.qgz_error_feedback:  # bf16, about one unsharded gradient
         secondary += sum(2 * shard_numel * world for shard_numel, _, _ in facts.reductions)
-    return secondary + held + (option.prefetch + 2) * bucket
+    # + the hierarchical gather's copy into world order of the bucket in use
+    return secondary + held + (option.prefetch + 2 + t.hierarchical_gather) * bucket
 
 
 def _bucket_received(received: list[int], cap: int, world: int) -> int:
@@ -631,6 +649,7 @@ def resolved_config(config: Config, option: Option, topology: Topology, *, keep_
         hpz_quantized_secondary=t.hpz_int8 or not (t.hpz and t.quantize_weights),
         quantize_gradients=t.quantize_gradients,
         hierarchical_reduce=t.hierarchical_reduce,
+        hierarchical_gather=t.hierarchical_gather,
         qgz_error_feedback=feedback,
         qgz_error_beta=config.qgz_error_beta if feedback else 0.0,
         gather_bucket_bytes=option.bucket_bytes,

@@ -38,6 +38,7 @@ PLANNED_FIELDS = (
     "hpz_quantized_secondary",
     "quantize_gradients",
     "hierarchical_reduce",
+    "hierarchical_gather",
     "gather_bucket_bytes",
     "reduce_bucket_bytes",
     "prefetch_limit",
@@ -113,6 +114,14 @@ class Config:
         "reduce-scatter over W ranks and twice that for gloo's: 3x fewer bytes between nodes on 2 nodes x 2 "
         "over gloo (docs/auto_plan.md). Equal to the reduce-scatter within float rounding, not bitwise (another "
         'summation order). Implied by `quantize_gradients`; chosen by `plan="auto"` where it pays. Compiled path only',
+    )
+    hierarchical_gather: bool = _field(
+        False,
+        "each all-gather over the world (bucketed; int8 payloads under qwZ) becomes an all-gather across nodes "
+        "(each rank's part to its counterpart on every other node), then one in the node, and a copy into world "
+        "order. A node receives each other node's L parts once (L ranks per node) instead of the W-1 a ring "
+        "carries across the boundary: 2 against 3 per direction on 2 nodes x 2 over gloo. Bitwise the same "
+        'values. With several nodes of several ranks; chosen by `plan="auto"` where it pays. Compiled path only',
     )
     gradient_block_size: int = _field(
         128,
@@ -272,7 +281,7 @@ class Config:
         "manual",
         '`"manual"`: the fields above say which ZeRO++ techniques run. `"auto"`: each compiled graph gets the '
         "communication plan the cost model estimates fastest within `memory_budget_bytes` -- qwZ, hpZ (and its "
-        "int8 secondary), the hierarchical reduce, bucket sizes, prefetch depth; qgZ only with `allow_lossy` -- "
+        "int8 secondary), the hierarchical reduce and gather, bucket sizes, prefetch depth; qgZ only with `allow_lossy` -- "
         "from the links and compute "
         "rate measured in `shard()` and the graph's own parameters and FLOPs; the fields it chooses must keep "
         "their defaults. Every rank chooses alike; `zpp_compile.explain(model)` prints each choice and the "
@@ -302,6 +311,7 @@ class Config:
         _require_bool(self, "quantize_frozen_weights")
         _require_bool(self, "quantize_gradients")
         _require_bool(self, "hierarchical_reduce")
+        _require_bool(self, "hierarchical_gather")
         if self.inductor_regions is not None:
             _require_bool(self, "inductor_regions")
         _require_bool(self, "share_compiles")

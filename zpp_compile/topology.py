@@ -105,6 +105,7 @@ def build_topology(config: Config, *, collective: bool = True) -> Topology:
             and (
                 config.quantize_gradients
                 or config.hierarchical_reduce
+                or config.hierarchical_gather
                 or (config.auto_plan and (several_nodes or config.allow_lossy))
             )
             else {}

@@ -15,6 +15,7 @@ from .context import PassContext
 from .dedupe_gathers import dedupe_gathers
 from .fold_scatter_grads import fold_scatter_grads
 from .graph_utils import deferred_recompile
+from .hierarchical_gather import hierarchical_gather
 from .hierarchical_reduce import hierarchical_reduce
 from .hpz import hpz
 from .lower_gather import lower_gather
@@ -42,7 +43,8 @@ PARTITION_PASSES: list[PartitionPass] = [hpz, order_saved_values]
 # On the partitioned graphs, before lowering to Inductor.
 # qwz first: it rewrites the forward gathers it quantizes; lower_gather takes whatever is left.
 # The scheduling passes come last: they see the collectives that really travel.
-SCHEDULING_PASSES: list[GraphPass] = [bucket_collectives, schedule_overlap]
+# hierarchical_gather between them: it splits the buckets that travel, and the overlap places both stages.
+SCHEDULING_PASSES: list[GraphPass] = [bucket_collectives, hierarchical_gather, schedule_overlap]
 # root_large_collectives after them: it changes how a collective travels, not where it starts or ends.
 FORWARD_PASSES: list[GraphPass] = [
     qwz,
@@ -114,6 +116,7 @@ __all__ = [
     "cuts_at_blocks",
     "dedupe_gathers",
     "fold_scatter_grads",
+    "hierarchical_gather",
     "hierarchical_reduce",
     "hpz",
     "kept_for_backward",

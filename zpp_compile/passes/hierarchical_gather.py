@@ -1,0 +1,83 @@
+"""hierarchical_gather: each all-gather over the world becomes one across nodes, then one in the
+node (Config.hierarchical_gather).
+
+Runs on the lowered forward and backward graphs after bucket_collectives (so it splits the
+buckets that travel) and before schedule_overlap (which then places both stages). L ranks per
+node, N nodes, W = N * L; x is this rank's [S, ...] part (a bucket, or one parameter's shard):
+Before:  w = wait_tensor(all_gather_into_tensor(x, W, world))        (or the _out form, out=buffer)
+After:   a = wait_tensor(all_gather_into_tensor(x, N, cross-node))   [N*S]: local rank l's parts from every node
+         b = wait_tensor(all_gather_into_tensor(a, L, node))         [L*N*S]: at [l][n], the part of rank n*L + l
+         w = b.view(L, N, S, ...).permute(1, 0, ...).clone().view(W*S, ...)   world order, as before
+Every use of w is unchanged (the int8 payloads qwZ dequantizes, hpZ's secondary slice).
+
+Why: a ring all-gather over the world carries W-1 parts across each node boundary it crosses
+(gloo's: 3 parts each way on 2 nodes x 2), the logical model W-L per node; what the other node
+needs of this node's ranks is L parts, which the cross-node stage sends, each rank its own part to
+its counterpart on every other node. The in-node stage then moves N*S per rank over the fast link,
+and the reorder costs one copy of the gathered bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from ..topology import Topology
+from .context import PassContext
+from .graph_utils import aten, c10d, calls, finish, insert_call, is_call
+
+log = logging.getLogger(__name__)
+
+_GATHERS = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)
+
+
+def hierarchical_gather(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    topology = ctx.topology
+    if not ctx.config.hierarchical_gather:
+        log.debug("hierarchical_gather: %s: Config.hierarchical_gather is off; graph unchanged", ctx.label)
+        return gm
+    if topology.num_nodes == 1 or topology.ranks_per_node == 1:
+        log.debug("hierarchical_gather: %s: one stage would be the world's gather; graph unchanged", ctx.label)
+        return gm
+    gathers = [node for node in calls(gm.graph, *_GATHERS) if _over_the_world(node, topology)]
+    for start in gathers:
+        _split(gm.graph, start, topology)
+    log.debug("hierarchical_gather: %s: %d world gathers in two stages", ctx.label, len(gathers))
+    return finish(gm) if gathers else gm
+
+
+def _over_the_world(start: fx.Node, topology: Topology) -> bool:
+    """A gather over the world group whose one user is its wait (as lowered and bucketed)."""
+    _, group_size, group_name = start.args[:3]
+    waited = len(start.users) == 1 and is_call(next(iter(start.users)), c10d.wait_tensor.default)
+    return waited and group_size == topology.world_size and group_name == topology.world_group_name
+
+
+def _split(graph: fx.Graph, start: fx.Node, topology: Topology) -> None:
+    (wait,) = start.users
+    part = start.args[0]
+    nodes, local = topology.num_nodes, topology.ranks_per_node
+    shape = list(part.meta["val"].shape)
+    custom = start.meta.get("custom")
+    with graph.inserting_before(wait):
+        across = _gathered(graph, part, nodes, topology.cross_node_group_name, custom)
+        in_node = _gathered(graph, across, local, topology.node_group_name, custom)
+        by_local_rank = insert_call(graph, aten.view.default, in_node, [local, nodes, *shape])
+        by_rank = insert_call(graph, aten.permute.default, by_local_rank, [1, 0, *range(2, 2 + len(shape))])
+        copied = insert_call(graph, aten.clone.default, by_rank, memory_format=torch.contiguous_format)
+        world_order = insert_call(graph, aten.view.default, copied, [nodes * local * shape[0], *shape[1:]])
+    wait.replace_all_uses_with(world_order)
+    out = start.kwargs.get("out")
+    graph.erase_node(wait)
+    graph.erase_node(start)
+    if out is not None and not out.users:
+        graph.erase_node(out)
+
+
+def _gathered(graph: fx.Graph, part: fx.Node, group_size: int, group_name: str, custom: dict | None) -> fx.Node:
+    start = insert_call(graph, c10d.all_gather_into_tensor.default, part, group_size, group_name)
+    if custom:
+        start.meta["custom"] = dict(custom)  # the block bucketing and regions read (graph_utils.tag_collectives)
+    return insert_call(graph, c10d.wait_tensor.default, start)
