@@ -100,10 +100,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     zpp.add_argument("--hpz", type=int, default=None, metavar="K", help="ZeRO++ hpZ: secondary partition of K ranks")
     zpp.add_argument("--qgz", action="store_true", help="ZeRO++ qgZ: int4 hierarchical gradient all-to-alls")
     zpp.add_argument("--qgz-ef", action="store_true", help="qgZ with error feedback")
-    zpp.add_argument("--hierarchical-reduce", action="store_true",
-                     help="lossless gradient reduce: all-to-all in the node, then of the node sums across nodes")
     zpp.add_argument("--qgz-error-beta", type=float, default=None, metavar="BETA",
                      help="with --qgz-ef: the share of the stored error kept each step (Config.qgz_error_beta)")  # fmt: skip
+    zpp.add_argument(
+        "--hierarchical-reduce",
+        action="store_true",
+        help="lossless gradient reduce: all-to-all in the node, then of the node sums across nodes",
+    )
+    zpp.add_argument(
+        "--hierarchical-gather",
+        action="store_true",
+        help="weight all-gathers across nodes first (each part once per node), then in the node",
+    )
     zpp.add_argument("--bf16", action="store_true", help="mixed precision: bf16 gathers and compute, fp32 masters")
     zpp.add_argument("--keep-whole", type=int, default=0, metavar="N",
                      help="Config.keep_whole_numel: parameters of at most N elements stay whole on every rank")  # fmt: skip
@@ -171,6 +179,7 @@ def zpp_config(args: argparse.Namespace) -> zpp_compile.Config:
         hpz_size=args.hpz,
         quantize_gradients=args.qgz or args.qgz_ef,
         hierarchical_reduce=args.hierarchical_reduce,
+        hierarchical_gather=args.hierarchical_gather,
         qgz_error_feedback=args.qgz_ef,
         **({} if args.qgz_error_beta is None else {"qgz_error_beta": args.qgz_error_beta}),
         param_dtype=torch.bfloat16 if args.bf16 else None,
@@ -190,6 +199,7 @@ def mode_name(args: argparse.Namespace) -> str:
         ("qgz", args.qgz and not args.qgz_ef),
         ("qgz-ef", args.qgz_ef),
         ("hier", args.hierarchical_reduce),
+        ("hierg", args.hierarchical_gather),
         (f"beta{args.qgz_error_beta:g}" if args.qgz_error_beta is not None else "", args.qgz_error_beta is not None),
         ("auto" + ("-lossy" if args.allow_lossy else ""), args.auto_plan),
         (f"whole{args.keep_whole}", args.keep_whole),
