@@ -46,14 +46,19 @@ def hierarchical_reduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
 
     def reduce_bucket(bucket: list[fx.Node]) -> Callable[..., list[Tensor]]:
-        return functools.partial(
-            hierarchical_reduce_scatter,
-            numels=[marker.args[1] for marker in bucket],
-            shards=[marker.args[2] for marker in bucket],
-            topology=ctx.topology,
-        )
+        return functools.partial(hierarchical_reduce_scatter, **bucket_layout(bucket, ctx))
 
     return rewrite_reduction_buckets(gm, ctx, reduce_bucket, "hierarchical_reduce")
+
+
+def bucket_layout(bucket: list[fx.Node], ctx: PassContext) -> dict:
+    """What a bucket's reduction needs of its markers and of the graph: each gradient's numel and
+    shard numel, and the topology."""
+    return {
+        "numels": [marker.args[1] for marker in bucket],
+        "shards": [marker.args[2] for marker in bucket],
+        "topology": ctx.topology,
+    }
 
 
 def rewrite_reduction_buckets(

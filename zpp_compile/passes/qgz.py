@@ -37,7 +37,7 @@ from ..codegen.registry import QuantKernels, quant_kernels
 from ..error_feedback import new_slot
 from ..topology import Topology
 from .context import PassContext
-from .hierarchical_reduce import all_to_all, node_rank_chunks, rewrite_reduction_buckets
+from .hierarchical_reduce import all_to_all, bucket_layout, node_rank_chunks, rewrite_reduction_buckets
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,7 @@ def qgz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     def reduce_bucket(bucket: list[fx.Node]) -> Callable[..., list[Tensor]]:
         return functools.partial(
             qgz_reduce_scatter,
-            numels=[marker.args[1] for marker in bucket],
-            shards=[marker.args[2] for marker in bucket],
-            topology=ctx.topology,
+            **bucket_layout(bucket, ctx),
             block=ctx.config.gradient_block_size,
             kernels=quant_kernels(bucket[0].args[0].meta["val"].device),
             error_slots=_error_slots(bucket, ctx) if ctx.config.qgz_error_feedback else None,
