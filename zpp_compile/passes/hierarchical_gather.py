@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from ..topology import Topology
 from .context import PassContext
-from .graph_utils import aten, c10d, calls, finish, insert_call, is_call
+from .graph_utils import aten, c10d, calls, finish, insert_call, is_call, tag_collectives
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +60,12 @@ def _split(graph: fx.Graph, start: fx.Node, topology: Topology) -> None:
     nodes, local = topology.num_nodes, topology.ranks_per_node
     shape = list(part.meta["val"].shape)
     custom = start.meta.get("custom")
+    before = wait.prev  # the new nodes go between it and the wait
     with graph.inserting_before(wait):
-        across = _gathered(graph, part, nodes, topology.cross_node_group_name, custom)
-        in_node = _gathered(graph, across, local, topology.node_group_name, custom)
+        across = _gathered(graph, part, nodes, topology.cross_node_group_name)
+        in_node = _gathered(graph, across, local, topology.node_group_name)
         world_order = _in_world_order(graph, in_node, nodes, local, shape[0])
+    tag_collectives(before, wait, custom)  # the block bucketing and regions read
     wait.replace_all_uses_with(world_order)
     out = start.kwargs.get("out")
     graph.erase_node(wait)
@@ -87,8 +89,6 @@ def _in_world_order(graph: fx.Graph, gathered: fx.Node, nodes: int, local: int, 
     return insert_call(graph, aten.cat.default, parts)
 
 
-def _gathered(graph: fx.Graph, part: fx.Node, group_size: int, group_name: str, custom: dict | None) -> fx.Node:
+def _gathered(graph: fx.Graph, part: fx.Node, group_size: int, group_name: str) -> fx.Node:
     start = insert_call(graph, c10d.all_gather_into_tensor.default, part, group_size, group_name)
-    if custom:
-        start.meta["custom"] = dict(custom)  # the block bucketing and regions read (graph_utils.tag_collectives)
     return insert_call(graph, c10d.wait_tensor.default, start)

@@ -24,6 +24,7 @@ within rounding, not bitwise.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from typing import Callable
 
@@ -41,8 +42,9 @@ log = logging.getLogger(__name__)
 
 
 def hierarchical_reduce(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if not ctx.config.hierarchical_reduce or ctx.config.quantize_gradients:  # qgZ took them, int4
-        log.debug("hierarchical_reduce: %s: Config.hierarchical_reduce is off; graph unchanged", ctx.label)
+    if not ctx.config.hierarchical_reduce or ctx.config.quantize_gradients:
+        reason = "qgz reduced them (int4, hierarchically)" if ctx.config.quantize_gradients else "it is off"
+        log.debug("hierarchical_reduce: %s: %s; graph unchanged", ctx.label, reason)
         return gm
 
     def reduce_bucket(bucket: list[fx.Node]) -> Callable[..., list[Tensor]]:
@@ -115,7 +117,15 @@ def hierarchical_reduce_scatter(
         total = received.view(nodes, -1).sum(0, dtype=torch.float32)
     else:
         total = part.view(-1)
-    offsets = [sum(shards[:i]) for i in range(len(shards))]
+    return averaged_shards(total, shards, shards, grads, world)
+
+
+def averaged_shards(
+    total: Tensor, chunks: list[int], shards: list[int], grads: tuple[Tensor, ...], world: int
+) -> list[Tensor]:
+    """Each gradient's shard of the bucket's world sums `total` (laid out chunk after chunk, a
+    shard at the start of each), divided by the world once and cast back to the gradient's dtype."""
+    offsets = itertools.accumulate(chunks, initial=0)
     return [(total[o : o + s] / world).to(g.dtype) for g, o, s in zip(grads, offsets, shards)]
 
 

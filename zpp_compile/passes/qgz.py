@@ -37,7 +37,13 @@ from ..codegen.registry import QuantKernels, quant_kernels
 from ..error_feedback import new_slot
 from ..topology import Topology
 from .context import PassContext
-from .hierarchical_reduce import all_to_all, bucket_layout, node_rank_chunks, rewrite_reduction_buckets
+from .hierarchical_reduce import (
+    all_to_all,
+    averaged_shards,
+    bucket_layout,
+    node_rank_chunks,
+    rewrite_reduction_buckets,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +120,7 @@ def qgz_reduce_scatter(
             stores.add(error, slots[1])
         received = all_to_all(payload, nodes, topology.cross_node_group_name).view(nodes, 1, -1)
         total = kernels.int4_dequantize_reduce(received, chunk, block).view(chunk)
-    offsets = [sum(chunks[:i]) for i in range(len(chunks))]
-    out = [(total[o : o + s] / world).to(g.dtype) for g, o, s in zip(grads, offsets, shards)]
+    out = averaged_shards(total, chunks, shards, grads, world)
     out[0] = sum(stores.zeros, out[0])
     return out
 
