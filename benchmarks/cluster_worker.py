@@ -99,6 +99,7 @@ def plan_of(model: torch.nn.Module) -> dict:
         "plan_measured_bytes": max(p.measured_bytes for p in plans),
         "budget_bytes": plans[0].budget_bytes,
         "estimated_step_s": sum(p.chosen.step_s for p in plans),
+        "plan_explained": "\n".join(str(p) for p in plans),
     }
 
 

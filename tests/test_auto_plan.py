@@ -90,6 +90,28 @@ def test_when_compute_hides_the_links_the_plan_with_fewest_techniques_wins():
     assert pick(estimates).option.techniques == Techniques()
 
 
+def test_on_a_cpu_bytes_sent_cost_compute_even_where_the_links_are_fast():
+    # The same fast links, but every byte gloo sends takes 5 ns from this rank's compute (CPUs
+    # the ranks share): the plan then sends fewer bytes, which compute cannot hide.
+    facts = dataclasses.replace(FACTS, compute_s=0.05)
+    config = zpp_compile.Config(plan="auto")
+    fast = _cost(400, 400)
+    on_cpu = dataclasses.replace(fast, comm_cpu_s_per_byte=5e-9)
+    zero3 = Option(Techniques(), 25 * 2**20, 2)
+    free, charged = (estimate(zero3, facts, TWO_NODES, c, config, 2**40) for c in (fast, on_cpu))
+    sent = charged.inter_bytes + charged.intra_bytes
+    assert charged.compute_s - free.compute_s == pytest.approx(5e-9 * sent)
+    assert (
+        pick(
+            [estimate(o, facts, TWO_NODES, fast, config, 2**40) for o in options(TWO_NODES, config, True)]
+        ).option.techniques
+        == Techniques()
+    )
+    chosen = pick([estimate(o, facts, TWO_NODES, on_cpu, config, 2**40) for o in options(TWO_NODES, config, True)])
+    assert chosen.option.techniques.quantize_weights, chosen.option.name
+    assert chosen.inter_bytes + chosen.intra_bytes < sent / 2
+
+
 def test_one_node_never_weighs_hpz():
     config = zpp_compile.Config(plan="auto", allow_lossy=True)
     assert not any(o.techniques.hpz for o in options(ONE_NODE, config, True))

@@ -6,7 +6,7 @@ import pytest
 
 import zpp_compile
 from zpp_compile.config import DEFAULT_COLLECTIVE_LATENCY_US, DEFAULT_KERNEL_US
-from zpp_compile.cost_model import CostModel, build_cost_model
+from zpp_compile.cost_model import CostModel, _Timing, build_cost_model, cpu_seconds_per_byte_sent
 
 RATES = dict(intra_node_gbps=80.0, inter_node_gbps=8.0, compute_tflops=1.0)  # given: nothing measured
 
@@ -65,3 +65,41 @@ def test_measuring_the_rates_leaves_the_users_random_stream_alone(pools, tmp_pat
     for rank, (untouched, measured) in enumerate(pools(2).run(_shard_with_nothing_remembered, str(tmp_path))):
         assert measured, "nothing was measured: the test did not exercise the probe"
         assert untouched, f"rank {rank}: shard() drew from the default random generator"
+
+
+def test_a_byte_sent_displaces_its_cpu_time_scaled_by_how_the_ranks_share_the_cores():
+    gathers = [_Timing(seconds=0.02, cpu_seconds=0.003, bytes_sent=3_000_000)] * 2  # 1 ns of CPU per byte
+    # A single-threaded rank sharing a core with another: its compute's wall time is twice its CPU time.
+    shared = _Timing(seconds=0.2, cpu_seconds=0.1)
+    assert cpu_seconds_per_byte_sent(gathers, shared) == pytest.approx(2e-9)
+    # A rank computing on 4 threads of its own: gloo's thread takes a quarter of its compute.
+    threads = _Timing(seconds=0.1, cpu_seconds=0.4)
+    assert cpu_seconds_per_byte_sent(gathers, threads) == pytest.approx(0.25e-9)
+
+
+def measured_comm_cpu() -> tuple[float, float]:
+    """(compute seconds per byte sent measured for an automatic plan, and for a manual one)."""
+    import tempfile
+    from pathlib import Path
+
+    from zpp_compile import cost_model
+
+    saved = cost_model._rates_folder
+    with tempfile.TemporaryDirectory() as folder:
+        cost_model._rates_folder = lambda: Path(folder)  # nothing remembered: measured here
+        try:
+            auto = build_cost_model(zpp_compile.Config(plan="auto"))
+            manual = build_cost_model(zpp_compile.Config())
+        finally:
+            cost_model._rates_folder = saved
+    return auto.comm_cpu_s_per_byte, manual.comm_cpu_s_per_byte
+
+
+def test_an_automatic_plan_on_cpus_measures_the_compute_a_byte_sent_costs_alike_on_every_rank(pools):
+    results = pools(2).run(measured_comm_cpu)
+    assert results[0] == results[1], results  # the slowest rank's, everywhere
+    auto, manual = results[0]
+    # gloo copies every byte at least once through the CPU; a copy runs at no more than ~100 GB/s
+    # here, and nothing is that slow per byte that a 4 MiB gather would take seconds.
+    assert 1e-11 < auto < 1e-6, auto
+    assert manual == 0.0  # the scheduling passes do not use it: not measured

@@ -22,7 +22,9 @@ times are bytes / the link's measured bandwidth plus Config.collective_latency_u
              that of its slower link)
   compute  = per node max(FLOPs / compute rate, bytes read and written / memory rate) + kernel_us,
              + QUANTIZE_COPIES copies' time per value quantized or dequantized, and one per value the
-             hierarchical reduce packs or sums and the hierarchical gather reorders
+             hierarchical reduce packs or sums and the hierarchical gather reorders,
+             + on a CPU device, the compute time the bytes sent displace (gloo copies them with the
+             cores that compute; CostModel.comm_cpu_s_per_byte)
   step     = compute + comm - overlap * min(compute, comm - first gather bucket - last reduction bucket),
              overlap = prefetch / (prefetch + 1) (0 without prefetch): deeper prefetch hides more of
              the compute-long stretches; the first gather and the last reduction hide behind nothing
@@ -382,14 +384,14 @@ def _estimates(
     hence the communication time, do not depend on the depth, so they are worked out once."""
     links, copies = _links(t, cap, facts, topology, cost, config)
     comm_s, exposed_s = links.seconds()
-    compute_s = facts.compute_s + cost.elementwise_seconds(copies)
+    inter, intra = links.bytes("inter"), links.bytes("intra")
+    compute_s = facts.compute_s + cost.elementwise_seconds(copies) + cost.comm_cpu_seconds(inter + intra)
     estimates = []
     for prefetch in prefetch_depths:
         option = Option(t, cap, prefetch)
         overlap = prefetch / (prefetch + 1)
         step_s = compute_s + comm_s - overlap * min(compute_s, comm_s - exposed_s)
         memory = _plan_memory(option, facts, topology, config)
-        inter, intra = links.bytes("inter"), links.bytes("intra")
         estimates.append(Estimate(option, step_s, compute_s, comm_s, inter, intra, memory, memory <= headroom))
     return estimates
 
@@ -667,7 +669,9 @@ def topology_for(plan_config: Config, topology: Topology) -> Topology:
 
 
 def describe_links(cost: CostModel) -> str:
+    cpu = f"; {cost.comm_cpu_s_per_byte * 1e9:.3g} ns of compute per byte sent" if cost.comm_cpu_s_per_byte else ""
     return (
         f"links {cost.intra_node_bytes_per_s * 8 / 1e9:.3g} Gbit/s in a node, "
         f"{cost.inter_node_bytes_per_s * 8 / 1e9:.3g} between nodes; compute {cost.flops_per_s / 1e12:.3g} TFLOP/s"
+        f"{cpu}"
     )

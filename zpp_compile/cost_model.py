@@ -54,7 +54,7 @@ REMEMBERED_RATES_TOLERANCE = 4.0
 # the likely departure, and that one is taken again.
 _REMEASURE_ROUNDS = 3
 # Measured quantities that are times (lower is better); the others are rates.
-_TIMES = frozenset({"latency_s"})
+_TIMES = frozenset({"latency_s", "comm_cpu_s_per_byte"})
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,14 @@ class CostModel:
     # Measured for Config(plan="auto") only (a copy, every rank at once): with it a node costs at
     # least the bytes it reads and writes / this rate (a roofline), so memory-bound work counts.
     memory_bytes_per_s: Optional[float] = None
+    # Measured for Config(plan="auto") on CPU devices only: the compute time one byte this rank
+    # sends displaces. gloo moves bytes with the cores that compute, so its copies add to the
+    # step where a GPU's transfers would hide behind the compute (cpu_seconds_per_byte_sent).
+    comm_cpu_s_per_byte: float = 0.0
+
+    def comm_cpu_seconds(self, bytes_sent: int) -> float:
+        """Compute time that sending (and receiving as much) `bytes_sent` takes from this rank."""
+        return bytes_sent * self.comm_cpu_s_per_byte
 
     def collective_seconds(self, bytes_sent: int, crosses_nodes: bool) -> float:
         bandwidth = self.inter_node_bytes_per_s if crosses_nodes else self.intra_node_bytes_per_s
@@ -144,6 +152,7 @@ def build_cost_model(
         else config.collective_latency_us / 1e6,
         kernel_s=config.kernel_us / 1e6,
         memory_bytes_per_s=measured.get("memory_bytes_per_s"),
+        comm_cpu_s_per_byte=measured.get("comm_cpu_s_per_byte", 0.0),
     )
 
 
@@ -171,17 +180,15 @@ def _measure(
     auto: bool = False,
 ) -> dict[str, float]:
     """All-gather bytes/s per rank (of the world, or of each link) and matmul FLOP/s, and with
-    `auto` a tiny all-gather's time and a copy's bytes/s, each the slowest rank's, on every rank."""
+    `auto` a tiny all-gather's time and a copy's bytes/s, and on a CPU the compute time a byte
+    sent displaces (cpu_seconds_per_byte_sent), each the slowest rank's, on every rank."""
     groups = {"bytes_per_s": group} if links is None else {
         "intra_bytes_per_s": resolve_group(links[0]), "inter_bytes_per_s": resolve_group(links[1]),
     }  # fmt: skip
-    seconds, sent = [], []
-    for g in groups.values():
-        t, b = _all_gather_seconds(g, device, _PROBE_BYTES)
-        seconds.append(t)
-        sent.append(b)
+    probes = [_all_gather_timing(g, device, _PROBE_BYTES) for g in groups.values()]
+    seconds = [p.seconds for p in probes]
     if auto:  # an automatic plan also weighs bucket counts and memory-bound work
-        seconds.append(max(_all_gather_seconds(g, device, 4 * dist.get_world_size(g))[0] for g in groups.values()))
+        seconds.append(max(_all_gather_timing(g, device, 4 * dist.get_world_size(g)).seconds for g in groups.values()))
         source = torch.ones(_MEMORY_PROBE_BYTES // 4, device=device)
         target = torch.empty_like(source)
         target.copy_(source)
@@ -192,11 +199,16 @@ def _measure(
     probe_generator = torch.Generator(device).manual_seed(0)
     a = torch.randn(_PROBE_MATMUL, _PROBE_MATMUL, device=device, generator=probe_generator)
     a @ a
-    seconds.append(min(_timed(lambda: a @ a, device) for _ in range(_PROBE_REPEATS)))
+    matmul = min((_Timing.of(lambda: a @ a, device) for _ in range(_PROBE_REPEATS)), key=lambda t: t.seconds)
+    seconds.append(matmul.seconds)
+    cpu_per_byte = auto and device.type == "cpu"
+    if cpu_per_byte:
+        seconds.append(cpu_seconds_per_byte_sent(probes, matmul))
     slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     slowest = slowest.tolist()
-    rates = {name: max(b, 1) / t for name, b, t in zip(groups, sent, slowest)}
+    rates = {"comm_cpu_s_per_byte": slowest.pop()} if cpu_per_byte else {}
+    rates.update({name: max(p.bytes_sent, 1) / t for name, p, t in zip(groups, probes, slowest)})
     if auto:
         rates["latency_s"] = slowest[-3]
         rates["memory_bytes_per_s"] = 2 * _MEMORY_PROBE_BYTES / slowest[-2]
@@ -204,14 +216,46 @@ def _measure(
     return rates
 
 
-def _all_gather_seconds(group: Optional[dist.ProcessGroup], device: torch.device, size: int) -> tuple[float, int]:
-    """(best time of an all-gather of `size` bytes over `group`, bytes each rank sent in it)."""
+@dataclasses.dataclass(frozen=True)
+class _Timing:
+    """One timed run: wall seconds, this process's CPU seconds (every thread: gloo's too), and for
+    a collective the bytes this rank sent in it."""
+
+    seconds: float
+    cpu_seconds: float
+    bytes_sent: int = 0
+
+    @staticmethod
+    def of(work: Callable[[], object], device: torch.device, bytes_sent: int = 0) -> _Timing:
+        cpu = time.process_time()
+        seconds = _timed(work, device)
+        return _Timing(seconds, time.process_time() - cpu, bytes_sent)
+
+
+def cpu_seconds_per_byte_sent(collectives: list[_Timing], matmul: _Timing) -> float:
+    """The compute time one byte sent displaces on a CPU: the collectives' CPU seconds per byte
+    sent, scaled by the matmul's wall seconds per CPU second. Both ran with every rank at once, so
+    the scale is how the ranks share the cores: 2 when 4 single-threaded ranks share 2 cores (a
+    CPU second of gloo delays this rank's compute by 2), 1/4 when one rank computes on 4 threads
+    (gloo's thread takes one of them)."""
+    sent = sum(c.bytes_sent for c in collectives)
+    cpu = sum(c.cpu_seconds for c in collectives)
+    if sent == 0 or matmul.cpu_seconds <= 0:
+        return 0.0
+    return cpu / sent * matmul.seconds / matmul.cpu_seconds
+
+
+def _all_gather_timing(group: Optional[dist.ProcessGroup], device: torch.device, size: int) -> _Timing:
+    """The fastest of a few all-gathers of `size` bytes over `group`."""
     world = dist.get_world_size(group)
     probe = torch.zeros(max(size // 4 // max(world, 1), 1), device=device)
     out = torch.empty(probe.numel() * world, device=device)
     all_gather_single(out, probe, group=group)  # warm-up: connections, buffers
-    best = min(_timed(lambda: all_gather_single(out, probe, group=group), device) for _ in range(_PROBE_REPEATS))
-    return best, probe.numel() * 4 * (world - 1)
+    sent = probe.numel() * 4 * (world - 1)
+    timings = [
+        _Timing.of(lambda: all_gather_single(out, probe, group=group), device, sent) for _ in range(_PROBE_REPEATS)
+    ]
+    return min(timings, key=lambda t: t.seconds)
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
