@@ -67,6 +67,10 @@ KEEP_WHOLE_CONFIGS: dict[str, tuple[str, dict]] = {
     "zeropp qwZ+hpZ keep 256": ("zeropp", {**QWZ_HPZ, "keep_whole_numel": 256}),
     "zeropp qwZ+hpZ prefetch 4": ("zeropp", {**QWZ_HPZ, "prefetch_limit": 4}),
     "zeropp qwZ+hpZ prefetch 4 keep 1024": ("zeropp", {**QWZ_HPZ, "prefetch_limit": 4, "keep_whole_numel": 1024}),
+    "zeropp qwZ+hpZ+hier. keep 256": (
+        "zeropp",
+        {**QWZ_HPZ, "hierarchical_reduce": True, "hierarchical_gather": True, "keep_whole_numel": 256},
+    ),
 }
 ALL_CONFIGS = {**CONFIGS, **ACCUMULATION_CONFIGS, **KEEP_WHOLE_CONFIGS}
 MODEL = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=256)
