@@ -71,26 +71,21 @@ def same_plan_unshaped_step(results: dict, rate: str, auto: str) -> Optional[tup
     at `rate` (its bucket cap, prefetch depth, kept-whole parameters and hpZ's secondary dtype may
     differ): the plan's own compute floor, where the automatic plan chose otherwise on the unshaped
     link. None: no such config was run."""
-    chosen = _any_secondary(results.get(rate, {}).get(auto, {}).get("plan", "").split(",")[0])
+    chosen = results.get(rate, {}).get(auto, {}).get("plan", "").split(",")[0].replace("hpZ int8", "hpZ")
     unshaped = results.get("unshaped", {})
     for name in (*LOSSLESS, *LOSSY):
-        if name in unshaped and _any_secondary(techniques_of(CONFIGS[name][1]).name) == chosen:
+        if name in unshaped and techniques_of(CONFIGS[name][1]).name == chosen:
             return name, unshaped[name]["step_s"]
     return None
 
 
-def _any_secondary(techniques: str) -> str:
-    return techniques.replace("hpZ int8", "hpZ")
-
-
 def techniques_of(options: dict) -> Techniques:
-    """The automatic plan's name for what a hand-picked config of cluster_worker.py runs."""
+    """The automatic plan's techniques that a hand-picked config of cluster_worker.py runs, but for
+    hpZ's secondary dtype (hpz_int8 left False)."""
     config = Config(**options)
-    qwz, hpz = config.quantize_weights, config.hpz_enabled
     return Techniques(
-        quantize_weights=qwz,
-        hpz=hpz,
-        hpz_int8=hpz and qwz and config.hpz_quantized_secondary,
+        quantize_weights=config.quantize_weights,
+        hpz=config.hpz_enabled,
         quantize_gradients=config.quantize_gradients,
         hierarchical_reduce=config.hierarchical_reduce and not config.quantize_gradients,
         hierarchical_gather=config.hierarchical_gather,
