@@ -27,6 +27,9 @@ from benchmarks._common import tracked  # noqa: E402
 from benchmarks.cluster import link_bytes  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
+TRIAL_STEPS = 3  # Config.plan_trial_steps of the "timed" automatic plans
+# Warm-up steps at most while a plan trial runs (3 candidates x (1 + TRIAL_STEPS) steps, per graph).
+TRIAL_WARMUP_LIMIT = 40
 QWZ_HPZ = {"quantize_weights": True, "hpz_size": 2}
 ZERO_PP = {**QWZ_HPZ, "quantize_gradients": True}
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -42,6 +45,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "zeropp qwZ+hpZ+qgZ+hier. gather": ("zeropp", {**ZERO_PP, "hierarchical_gather": True}),
     "zeropp auto": ("zeropp", {"plan": "auto"}),
     "zeropp auto lossy": ("zeropp", {"plan": "auto", "allow_lossy": True}),
+    "zeropp auto, timed": ("zeropp", {"plan": "auto", "plan_trial_steps": TRIAL_STEPS}),
+    "zeropp auto lossy, timed": ("zeropp", {"plan": "auto", "allow_lossy": True, "plan_trial_steps": TRIAL_STEPS}),
     "FSDP2 fp32": ("fsdp2", {}),
     "FSDP2 bf16": ("fsdp2", {"bf16": True}),
     "DDP fp32": ("ddp", {}),
@@ -203,6 +208,16 @@ def measure(step: Callable, tokens: torch.Tensor) -> dict:
             "reduce_intra": _sum(_gradient_reduction_bytes(counter, "intra"))}  # fmt: skip
 
 
+def _finish_plan_trials(model: torch.nn.Module, step: Callable, tokens: torch.Tensor) -> None:
+    """Step a "timed" automatic plan until its trial has kept a plan (Config.plan_trial_steps):
+    its steps run back to back, as in training, and none of them is in the round-robin's timing."""
+    for _ in range(TRIAL_WARMUP_LIMIT):
+        if not zpp_compile.is_sharded(model) or not model._zpp_state.plan_trials:
+            return
+        measure(step, tokens)
+    raise RuntimeError(f"the plan trial did not finish within {TRIAL_WARMUP_LIMIT} steps")
+
+
 def _gradient_reduction_bytes(counter: zpp_compile.CommCounter, locality: str) -> int:
     """Bytes this rank sent reducing gradients (reduce-scatter, qgZ's all-to-alls, all-reduce)."""
     ops = ("reduce_scatter", "all_to_all", "all_reduce")
@@ -230,6 +245,7 @@ def main() -> None:
         steps[name] = build_step(*ALL_CONFIGS[name])
         first[name] = measure(steps[name], tokens)["s"]
         measure(steps[name], tokens)
+        _finish_plan_trials(BUILT[len(BUILT) - 1], steps[name], tokens)
     samples = {name: [] for name in names}
     for _ in tracked(range(args.steps), "timed steps, every config"):
         for name in names:

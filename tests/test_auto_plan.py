@@ -10,7 +10,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import zpp_compile
-from zpp_compile.auto_plan import Estimate, GraphFacts, Option, Techniques, estimate, options, pick, resolved_config
+from zpp_compile.auto_plan import (
+    TRIAL_CANDIDATES,
+    Estimate,
+    GraphFacts,
+    Option,
+    Techniques,
+    estimate,
+    options,
+    pick,
+    resolved_config,
+    trial_candidates,
+)
+from zpp_compile.backend import compiled_graphs
 from zpp_compile.cost_model import CostModel
 from zpp_compile.topology import Topology
 
@@ -198,6 +210,8 @@ def _train(name: str, config: zpp_compile.Config, steps: int = 2) -> dict:
         "measured_bytes": [p.measured_bytes for p in plans],
         "budget": [p.budget_bytes for p in plans],
         "text": str(zpp_compile.explain(model)) if auto else "",
+        "trial_seconds": [{o.name: s for o, s in p.trial_seconds.items()} for p in plans],
+        "compiled_plans": [r.auto_plan.chosen.option.name for r in compiled_graphs() if r.auto_plan is not None],
     }
     reset_process_state()
     return result
@@ -326,3 +340,51 @@ def test_a_static_recompile_for_other_shapes_keeps_the_first_plan(pools):
     results = pools(4).run(plans_after_static_recompile)
     assert all(len(names) == 2 and len(set(names)) == 1 for names in results), results
     assert len({tuple(names) for names in results}) == 1
+
+
+def test_a_trial_times_the_best_option_of_each_tied_set_of_techniques_the_estimates_choice_first():
+    # 400 Gbit/s links and 10 s of compute: every option ties, so the trial weighs ZeRO-3 (the
+    # estimate's choice) and the two fastest other sets' options pick() would take within each.
+    facts = dataclasses.replace(FACTS, compute_s=10.0)
+    config = zpp_compile.Config(plan="auto", plan_trial_steps=2)
+    estimates = [
+        estimate(o, facts, TWO_NODES, _cost(400, 400), config, 2**40) for o in options(TWO_NODES, config, True)
+    ]
+    chosen = pick(estimates)
+    candidates = trial_candidates(estimates, chosen)
+    assert candidates[0] is chosen and len(candidates) == TRIAL_CANDIDATES
+    assert len({c.option.techniques for c in candidates}) == TRIAL_CANDIDATES
+    assert [c.step_s for c in candidates[1:]] == sorted(c.step_s for c in candidates[1:])
+    # A slow link between nodes: only the variants of qwZ + hpZ + both hierarchical collectives
+    # (the secondary int8 or not) come near the fastest.
+    slow = [estimate(o, FACTS, TWO_NODES, _cost(0.1, 10.0), config, 2**40) for o in options(TWO_NODES, config, True)]
+    for c in trial_candidates(slow, pick(slow)):
+        t = c.option.techniques
+        assert t.quantize_weights and t.hpz and t.hierarchical_reduce and t.hierarchical_gather, c.option.name
+
+
+def plan_trial_run() -> dict:
+    """A plan trial of 1 step per candidate (each after a warm-up: 6 steps for 3 candidates), on
+    links fast enough that every option's estimate ties, then 2 steps under the kept plan."""
+    config = zpp_compile.Config(
+        ranks_per_node=2, plan="auto", plan_trial_steps=1, lowering="aot_eager",
+        inter_node_gbps=400.0, intra_node_gbps=400.0, compute_tflops=1e-4,
+    )  # fmt: skip
+    return _train("gpt", config, steps=8)
+
+
+def test_a_plan_trial_times_each_candidate_and_every_rank_keeps_the_fastest(pools):
+    results = pools(4).run(plan_trial_run)
+    timed = {tuple(sorted(r["trial_seconds"][0].items())) for r in results}
+    assert len(timed) == 1, f"ranks timed the candidates differently: {timed}"
+    seconds = results[0]["trial_seconds"][0]
+    assert len(seconds) == TRIAL_CANDIDATES and all(s > 0 for s in seconds.values())
+    fastest = min(seconds, key=seconds.get)
+    for r in results:
+        ((kept, _, _),) = r["plans"]
+        assert kept == fastest, (kept, seconds)
+        # The graph was compiled once per candidate, each under the plan it stands for.
+        assert sorted(r["compiled_plans"]) == sorted(seconds)
+        assert "timed (median step ms, slowest rank; the fastest kept):" in r["text"]
+        # Every step ran: the trial's (each candidate's warm-up and timed step) and the kept plan's.
+        assert len(r["grads"]) == 8 and all(torch.isfinite(g).all() for step in r["grads"] for g in step)

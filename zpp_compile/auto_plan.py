@@ -68,6 +68,8 @@ TIE_FRACTION = 0.10
 # Quantizing or dequantizing one value costs this many fp32 copies (docs/qwz_kernels_cpu.md:
 # Inductor's quantize takes 3.3 copies' time, its dequantize 8.1); CostModel.elementwise_seconds.
 QUANTIZE_COPIES = 6
+# Config.plan_trial_steps: at most this many options, each of another set of techniques, are timed.
+TRIAL_CANDIDATES = 3
 BUCKET_CAPS = (0, 2**20, 4 * 2**20, 25 * 2**20)  # as sent per rank, like Config.gather_bucket_bytes; 0: none
 PREFETCH_DEPTHS = (0, 1, 2, 4)
 _zpp = torch.ops.zpp
@@ -160,6 +162,10 @@ class AutoPlan:
     # alive at once per phase (plan.peak_collective_bytes), and hpZ's secondary shards the backward takes.
     peak_collective_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     secondary_bytes: int = 0
+    # Config.plan_trial_steps: the options to time, this plan's first (trial_candidates), and once
+    # timed, each one's median step in seconds on the slowest rank (plan_trial.PlanTrial).
+    candidates: tuple[Option, ...] = ()
+    trial_seconds: dict[Option, float] = dataclasses.field(default_factory=dict)
 
     @property
     def measured_bytes(self) -> int:
@@ -203,6 +209,11 @@ class AutoPlan:
                 f"  {e.option.name:<52} {e.step_s * 1e3:>9.1f} {e.compute_s * 1e3:>8.1f} {e.comm_s * 1e3:>8.1f} "
                 f"{e.inter_bytes / mb:>9.2f} {e.intra_bytes / mb:>9.2f} {e.memory_bytes / mb:>9.2f} {mark}"
             )
+        if self.trial_seconds:
+            lines.append("  timed (median step ms, slowest rank; the fastest kept):")
+            lines += [f"    {o.name:<50} {s * 1e3:>9.1f}" for o, s in self.trial_seconds.items()]
+        elif len(self.candidates) > 1:
+            lines.append(f"  to be timed: {'; '.join(o.name for o in self.candidates)}")
         return "\n".join(lines)
 
 
@@ -228,6 +239,7 @@ def choose_plan(
     block: Callable[[fx.Node], Optional[str]] = lambda node: None,
     key: Optional[tuple] = None,
     kept: frozenset[fx.Node] = frozenset(),
+    option: Optional[Option] = None,
 ) -> AutoPlan:
     """The plan of one graph (the joint graph when `training`, else the inference graph); `block`
     tells a marker's block as bucketing will (passes.blocks_of). Each graph's plan fits the budget
@@ -235,10 +247,14 @@ def choose_plan(
     `key` (the graph's parameters and whether it trains): a later graph of the same key -- a
     recompile for other shapes -- takes the first one's plan, so ranks whose shapes part later
     (a last short batch, automatic dynamic shapes) still choose alike. `kept`: the gathers whose
-    weights stay gathered into the backward unless qwZ is chosen (passes.kept_for_backward)."""
+    weights stay gathered into the backward unless qwZ is chosen (passes.kept_for_backward).
+    `option`: take this option (a candidate of a trial, Config.plan_trial_steps) instead of choosing.
+    Otherwise, with Config.plan_trial_steps on a training graph, the plan lists the candidates to time."""
     earlier = next((p for p in state.auto_plans if p.key == key), None) if key is not None else None
-    if earlier is not None:  # a recompile (other shapes, dynamic): the first graph's choice stands
-        return dataclasses.replace(earlier, label=label, peak_collective_bytes={}, secondary_bytes=0)
+    if earlier is not None and option is None:  # a recompile (other shapes, dynamic): the first graph's choice stands
+        return dataclasses.replace(
+            earlier, label=label, peak_collective_bytes={}, secondary_bytes=0, candidates=(), trial_seconds={}
+        )
     facts = graph_facts(gm, state.cost_model, training, block, state.config.save_gathered_weights, kept)
     budget = state.memory_budget_bytes
     persistent = persistent_bytes(state)
@@ -250,10 +266,13 @@ def choose_plan(
             techniques, cap, PREFETCH_DEPTHS, facts, state.topology, state.cost_model, state.config, budget - persistent
         )  # fmt: skip
     ]
-    chosen = pick(estimates)
+    chosen = pick(estimates) if option is None else next(e for e in estimates if e.option == option)
+    trial = option is None and training and state.config.plan_trial_steps > 0
+    candidates = tuple(e.option for e in trial_candidates(estimates, chosen)) if trial else ()
     plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology,
                                                    keep_whole_numel=state.keep_whole_numel),
-                    estimates, budget, persistent, describe_links(state.cost_model), key=key)  # fmt: skip
+                    estimates, budget, persistent, describe_links(state.cost_model), key=key,
+                    candidates=candidates)  # fmt: skip
     log.info("zpp_compile: plan of %s", plan)
     return plan
 
@@ -290,6 +309,24 @@ def pick(estimates: list[Estimate]) -> Estimate:
     fastest = min(e.step_s for e in fitting)
     close = [e for e in fitting if e.step_s <= fastest * (1 + TIE_FRACTION)]
     return min(close, key=_closeness_to_defaults)
+
+
+def trial_candidates(estimates: list[Estimate], chosen: Estimate) -> list[Estimate]:
+    """The options Config.plan_trial_steps times: `chosen`, then, fastest first, the option pick()
+    would take within each other set of techniques whose estimate ties with the fastest (within
+    TIE_FRACTION), up to TRIAL_CANDIDATES in all. Only `chosen` when nothing ties with it."""
+    if not chosen.fits:  # nothing fits the budget: pick() took the smallest, nothing to weigh
+        return [chosen]
+    fastest = min(e.step_s for e in estimates if e.fits)
+    tied: dict[Techniques, list[Estimate]] = {}
+    for e in estimates:
+        if e.fits and e.step_s <= fastest * (1 + TIE_FRACTION) and e.option.techniques != chosen.option.techniques:
+            tied.setdefault(e.option.techniques, []).append(e)
+    others = sorted(
+        (min(group, key=_closeness_to_defaults) for group in tied.values()),
+        key=lambda e: (e.step_s, e.option.techniques.count),
+    )
+    return [chosen, *others][:TRIAL_CANDIDATES]
 
 
 _DEFAULT = Config()
@@ -645,6 +682,7 @@ def resolved_config(config: Config, option: Option, topology: Topology, *, keep_
         plan="manual",
         memory_budget_bytes=None,
         allow_lossy=False,
+        plan_trial_steps=0,
         quantize_weights=t.quantize_weights,
         hpz_size=topology.ranks_per_node if t.hpz else None,
         # Without qwZ only frozen int8 weights can keep an int8 secondary: leave them that default.

@@ -35,6 +35,7 @@ from .faults import explained_collective_failures
 from .layout import ShardedState, shard_spec, state_of_shard
 from .passes.buckets import blocks_of
 from .plan import as_scheduled, collectives_in, marker_schedule
+from .plan_trial import PlanTrial
 from .process_state import register_reset
 from .schedule_check import CHECKED_RUNS, Schedule, current_parameter_names, maybe_check, parameter_names
 from .topology import require_initialized
@@ -120,7 +121,40 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
         compiled = _aot_autograd(gm, example_inputs, ctx=ctx, state=state)
     record = _RECORDS[ctx.graph_id]
     compile_timing.log_graph(f"graph{ctx.graph_id}", ctx.stage_seconds, record.aot_cache)
+    if record.auto_plan is not None and len(record.auto_plan.candidates) > 1:
+        compiled = _plan_trial(gm, example_inputs, ctx, state, record.auto_plan, compiled)
     return _naming_parameters(compiled, param_positions)
+
+
+def _plan_trial(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    ctx: passes.PassContext,
+    state: ShardedState,
+    plan: Any,
+    compiled: Callable,
+) -> Callable:
+    """Config.plan_trial_steps: the graph compiled for each other candidate of its plan (each a graph
+    record of its own), behind a PlanTrial that times them and keeps the fastest."""
+    plans, functions = [plan], [compiled]
+    for option in plan.candidates[1:]:
+        candidate = dataclasses.replace(  # the Config and Topology before the plan replaced them
+            ctx,
+            config=state.config,
+            topology=state.topology,
+            graph_id=next(_graph_ids),
+            plan_option=option,
+            stage_seconds=compile_timing.StageSeconds(),
+        )
+        _RECORDS[candidate.graph_id] = GraphRecord(candidate.graph_id, compile_seconds=candidate.stage_seconds)
+        with candidate.stage_seconds.timed(compile_timing.AOT_TRACE):
+            functions.append(_aot_autograd(gm, example_inputs, ctx=candidate, state=state))
+        record = _RECORDS[candidate.graph_id]
+        compile_timing.log_graph(f"graph{candidate.graph_id} (trial of graph{ctx.graph_id})",
+                                 candidate.stage_seconds, record.aot_cache)  # fmt: skip
+        plans.append(record.auto_plan)
+    device = next(v.device for v in example_inputs if shard_spec(v) is not None)
+    return PlanTrial(plans, functions, state, device)
 
 
 def _aot_autograd(
@@ -287,8 +321,10 @@ def _apply_auto_plan(ctx: passes.PassContext, state: ShardedState, gm: fx.GraphM
             gm, state, f"graph{ctx.graph_id}", training=training, block=blocks_of(ctx),
             key=(ctx.parameter_names, training),
             kept=frozenset(passes.kept_for_backward(gm.graph, ctx)) if training else frozenset(),
+            option=ctx.plan_option,
         )  # fmt: skip
-    state.auto_plans.append(plan)
+    if ctx.plan_option is None:  # a trial's other candidates stand in for this plan (plan_trial.settled)
+        state.auto_plans.append(plan)
     _RECORDS[ctx.graph_id].auto_plan = plan
     ctx.config = plan.config
     ctx.topology = auto_plan.topology_for(plan.config, ctx.topology)

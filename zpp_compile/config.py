@@ -302,6 +302,15 @@ class Config:
         "reduced in full precision, by ZeRO-3's reduce-scatter or the hierarchical reduce (the same sums within "
         "float rounding)",
     )
+    plan_trial_steps: int = _field(
+        0,
+        'with `plan="auto"`: where the estimate cannot tell apart the best options of several sets of techniques '
+        "(within its 10% tie, at most 3), each training graph compiles each of them and runs each for this many "
+        "steps (after one warm-up step), then keeps the one whose median step was shortest on the slowest rank; "
+        "every rank keeps the same one. Costs one compile per extra candidate and, while the trial runs, "
+        "steps under plans that are not the fastest (and, where one candidate has qwZ and another not, "
+        "forward numerics that change from candidate to candidate). 0: the estimate alone decides",
+    )
     dump_graphs_dir: Optional[str] = _field(
         None, "dump every graph before/after every pass to this folder (also `ZPP_DUMP_GRAPHS=dir`)"
     )
@@ -410,8 +419,9 @@ def _check_plan_fields(config: Config) -> None:
     _require_bool(config, "allow_lossy")
     if config.memory_budget_bytes is not None:
         _require_int(config, "memory_budget_bytes", minimum=1)
+    _require_int(config, "plan_trial_steps", minimum=0)
     if not config.auto_plan:
-        for name in ("memory_budget_bytes", "allow_lossy"):
+        for name in ("memory_budget_bytes", "allow_lossy", "plan_trial_steps"):
             if getattr(config, name) != _DEFAULTS[name]:
                 raise ValueError(
                     f"Config.{name} is read by the automatic plan only; add plan='auto', or remove {name}."

@@ -145,6 +145,9 @@ class ShardedState:
     grad_sync: str = "sync"
     # Config(plan="auto"): the plan of each graph compiled for this model (auto_plan.AutoPlan), in order.
     auto_plans: list = dataclasses.field(default_factory=list)
+    # Config.plan_trial_steps: the graphs whose candidate plans are still to be timed, in compile
+    # order; the first is being timed (plan_trial.PlanTrial).
+    plan_trials: list = dataclasses.field(default_factory=list)
     memory_budget_bytes: int = 0  # Config(plan="auto"): the budget every rank plans with (auto_plan.settle_budget)
     keep_whole_numel: int = 0  # the Config's, or under plan="auto" the one chosen (auto_plan.choose_keep_whole_numel)
 

@@ -32,6 +32,9 @@ class PassContext:
     decompositions: dict = dataclasses.field(default_factory=dict)
     # Seconds per compile stage of this graph, shared by every phase's context (for_phase).
     stage_seconds: StageSeconds = dataclasses.field(default_factory=StageSeconds)
+    # Config(plan="auto", plan_trial_steps=N): the option (auto_plan.Option) this compile is a
+    # trial candidate of; None: the plan chooses.
+    plan_option: Optional[object] = None
     _dump_step: int = 0
 
     @property

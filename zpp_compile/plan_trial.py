@@ -1,0 +1,95 @@
+"""Config(plan="auto", plan_trial_steps=N): time the options the estimate cannot tell apart.
+
+On a CPU the estimate misses gloo's copies and the quantize kernels competing with the compute
+for the cores, and ranks options within a few percent in the wrong order (docs/auto_plan.md).
+Where the best options of several sets of techniques tie (auto_plan.trial_candidates), the
+backend compiles the training graph once per candidate and hands Dynamo a PlanTrial instead of
+one compiled function. Each call runs one candidate, in turn: N + 1 calls each, the first a warm-up.
+A call's step is the time from its start to the next call's start (the whole training step: this
+graph, the others, the optimizer). After the last candidate's calls, the ranks agree on each
+candidate's median step (the slowest rank's, an all-reduce on the world group) and every later
+call runs the fastest; the others' compiled code is dropped.
+
+Each candidate's forward returns tensors whose backward is that candidate's (AOTAutograd pairs
+them), so switching between calls is safe. Every rank calls its graphs in the same order, so
+every rank runs the same candidate at each call and reaches the agreement at the same call.
+Graphs of one model are timed one at a time (ShardedState.plan_trials, in compile order): while
+one is timed the others run their first candidate, so each measured step differs in one graph only.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .auto_plan import AutoPlan
+from .cost_model import resolve_group
+from .faults import explained_collective_failures
+from .layout import ShardedState
+
+
+class PlanTrial:
+    """One graph's candidates (plans[0] the estimate's choice), run in turn, then the fastest."""
+
+    def __init__(self, plans: list[AutoPlan], compiled: list[Callable], state: ShardedState, device: torch.device):
+        self.plans, self.compiled, self.state, self.device = plans, compiled, state, device
+        self.steps = state.config.plan_trial_steps
+        self.calls = 0
+        self.last_start: Optional[float] = None
+        self.seconds: list[list[float]] = [[] for _ in plans]  # per candidate, its timed steps
+        self.winner: Optional[int] = None
+        state.plan_trials.append(self)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.winner is not None:
+            return self.compiled[self.winner](*args)
+        if self.state.plan_trials[0] is not self:  # another graph is being timed: wait with the first
+            return self.compiled[0](*args)
+        now = self._now()
+        if self.last_start is not None:
+            timed = (self.calls - 1) % (self.steps + 1)  # 0: the previous call was a warm-up
+            if timed:
+                self.seconds[(self.calls - 1) // (self.steps + 1)].append(now - self.last_start)
+        if self.calls == len(self.plans) * (self.steps + 1):
+            self._settle()
+            return self.compiled[self.winner](*args)
+        self.last_start = now
+        candidate = self.calls // (self.steps + 1)
+        self.calls += 1
+        return self.compiled[candidate](*args)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":  # the step ends when its kernels do
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _settle(self) -> None:
+        """Every rank keeps the candidate whose median step, on the slowest rank, was shortest."""
+        medians = torch.tensor([statistics.median(s) for s in self.seconds], dtype=torch.float64)
+        topology = self.state.topology
+        group = resolve_group(topology.world_group_name) if topology.world_group_name else None
+        where = f"the plan trial of {self.plans[0].label} (Config.plan_trial_steps)"
+        with explained_collective_failures(where, topology.collective_timeout_s):
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+        slowest = medians.tolist()
+        self.winner = min(range(len(slowest)), key=slowest.__getitem__)
+        settled(self.state, self.plans, slowest, self.winner)
+        self.compiled = [c if i == self.winner else None for i, c in enumerate(self.compiled)]
+        self.state.plan_trials.remove(self)
+
+
+def settled(state: ShardedState, plans: list[AutoPlan], seconds: list[float], winner: int) -> None:
+    """Record the timings on the winning plan and make it the graph's plan: what explain() prints
+    and what a later recompile of the same graph takes (auto_plan.choose_plan)."""
+    timed = dict(zip((p.chosen.option for p in plans), seconds))
+    plan = plans[winner]
+    plan.trial_seconds = timed
+    plan.candidates = tuple(timed)
+    first = plans[0]
+    at = next(i for i, p in enumerate(state.auto_plans) if p is first)
+    state.auto_plans[at] = plan
+    plan.label = first.label
