@@ -46,8 +46,8 @@ LOSSY = ("zeropp + qgZ", "zeropp qwZ+hpZ+qgZ", "zeropp qwZ+hpZ+qgZ+hier. gather"
 AUTO = {
     "zeropp auto": LOSSLESS,
     "zeropp auto lossy": LOSSLESS + LOSSY,
-    "zeropp auto, timed": LOSSLESS,
-    "zeropp auto lossy, timed": LOSSLESS + LOSSY,
+    "zeropp auto timed": LOSSLESS,
+    "zeropp auto lossy timed": LOSSLESS + LOSSY,
 }
 LINK_BYTES_PER_S = {"100mbit": 100e6 / 8, "1gbit": 1e9 / 8}
 

@@ -121,6 +121,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="Config(plan='auto'): zpp_compile chooses qwZ/hpZ/buckets/prefetch (not with --qwz/--hpz/--qgz)",
     )
     zpp.add_argument("--allow-lossy", action="store_true", help="with --auto-plan: the plan may choose qgZ too")
+    zpp.add_argument("--plan-trial-steps", type=int, default=0, metavar="N",
+                     help="with --auto-plan: time up to 3 tied candidate plans for N steps each, keep the fastest "
+                          "(Config.plan_trial_steps); the plan is printed again once kept")  # fmt: skip
     io = p.add_argument_group("checkpoints and output")
     io.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints to DIR/step_<N>")
     io.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
@@ -185,8 +188,22 @@ def zpp_config(args: argparse.Namespace) -> zpp_compile.Config:
         param_dtype=torch.bfloat16 if args.bf16 else None,
         plan="auto" if args.auto_plan else "manual",
         allow_lossy=args.allow_lossy,
+        plan_trial_steps=args.plan_trial_steps,
         keep_whole_numel=args.keep_whole,
     )
+
+
+def trial_just_ended(model: torch.nn.Module) -> bool:
+    """Whether the last step ended a plan trial (Config.plan_trial_steps): some graph's plan has
+    timings, and none has candidates still to time. True once."""
+    plans = zpp_compile.explain(model).auto_plans
+    ended = any(p.trial_seconds for p in plans) and not any(
+        len(p.candidates) > 1 and not p.trial_seconds for p in plans
+    )
+    if ended and not getattr(model, "_trial_reported", False):
+        model._trial_reported = True
+        return True
+    return False
 
 
 def mode_name(args: argparse.Namespace) -> str:
@@ -264,6 +281,8 @@ def main() -> None:
                 write(str(zpp_compile.explain(model)))  # the plan each graph got, and the options weighed
         else:
             loss = forward_backward(run, loss_fn, micro_batches, no_sync)
+            if args.plan_trial_steps and rank == 0 and trial_just_ended(model):
+                write(str(zpp_compile.explain(model)))  # with each candidate's measured step
         grad_norm = clip_or_measure(model, args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)

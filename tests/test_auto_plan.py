@@ -177,6 +177,8 @@ def test_saved_gathered_weights_are_held_in_memory_and_never_gathered_again():
         (dict(allow_lossy=True), "read by the automatic plan only"),
         (dict(plan="fast"), "not a plan mode"),
         (dict(plan="auto", memory_budget_bytes=0), "memory_budget_bytes=0 is out of range"),
+        (dict(plan_trial_steps=3), "plan_trial_steps is read by the automatic plan only"),
+        (dict(plan="auto", plan_trial_steps=-1), "plan_trial_steps=-1 is out of range"),
     ],
 )
 def test_config_refuses_settings_the_plan_would_override(kwargs, message):
