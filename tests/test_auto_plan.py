@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -365,18 +366,27 @@ def test_a_trial_times_the_best_option_of_each_tied_set_of_techniques_the_estima
         assert t.quantize_weights and t.hpz and t.hierarchical_reduce and t.hierarchical_gather, c.option.name
 
 
-def plan_trial_run() -> dict:
-    """A plan trial of 1 step per candidate (each after a warm-up: 6 steps for 3 candidates), on
-    links fast enough that every option's estimate ties, then 2 steps under the kept plan."""
+def plan_trial_runs(folder: str, runs: int) -> list[dict]:
+    """`runs` runs one after the other, as restarts of one job: the first has a plan trial of 1
+    step per candidate (each after a warm-up: 6 steps for 3 candidates) on links fast enough that
+    every option's estimate ties, then 2 steps under the kept plan; the others 2 steps. What the
+    trial keeps is remembered in `folder` (the Inductor cache folder; a fresh one per test)."""
     config = zpp_compile.Config(
         ranks_per_node=2, plan="auto", plan_trial_steps=1, lowering="aot_eager",
         inter_node_gbps=400.0, intra_node_gbps=400.0, compute_tflops=1e-4,
     )  # fmt: skip
-    return _train("gpt", config, steps=8)
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    try:
+        return [_train("gpt", config, steps=8 if run == 0 else 2) for run in range(runs)]
+    finally:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+        if saved is not None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
-def test_a_plan_trial_times_each_candidate_and_every_rank_keeps_the_fastest(pools):
-    results = pools(4).run(plan_trial_run)
+def test_a_plan_trial_times_each_candidate_and_every_rank_keeps_the_fastest(pools, tmp_path):
+    results = [runs[0] for runs in pools(4).run(plan_trial_runs, str(tmp_path), 1)]
     timed = {tuple(sorted(r["trial_seconds"][0].items())) for r in results}
     assert len(timed) == 1, f"ranks timed the candidates differently: {timed}"
     seconds = results[0]["trial_seconds"][0]
@@ -390,3 +400,11 @@ def test_a_plan_trial_times_each_candidate_and_every_rank_keeps_the_fastest(pool
         assert "timed (median step ms, slowest rank; the fastest kept):" in r["text"]
         # Every step ran: the trial's (each candidate's warm-up and timed step) and the kept plan's.
         assert len(r["grads"]) == 8 and all(torch.isfinite(g).all() for step in r["grads"] for g in step)
+
+
+def test_a_restarted_job_takes_the_plan_its_trial_kept_without_timing_again(pools, tmp_path):
+    for first, restarted in pools(4).run(plan_trial_runs, str(tmp_path), 2):
+        ((kept, _, _),) = first["plans"]
+        assert restarted["plans"][0][0] == kept
+        assert restarted["trial_seconds"] == [{}] and restarted["compiled_plans"] == [kept]  # one compile
+        assert "kept by the trial of an earlier run on this machine" in restarted["text"]

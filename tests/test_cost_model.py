@@ -45,8 +45,8 @@ def _shard_with_nothing_remembered(folder: str) -> tuple[bool, bool]:
 
     from .models import build
 
-    saved = cost_model._rates_folder
-    cost_model._rates_folder = lambda: Path(folder)
+    saved = cost_model.rates_folder
+    cost_model.rates_folder = lambda: Path(folder)
     try:
         model = build("gpt")
         before = torch.get_rng_state()
@@ -55,7 +55,7 @@ def _shard_with_nothing_remembered(folder: str) -> tuple[bool, bool]:
         dist.barrier()  # only local rank 0 writes the file: the others look once it has
         return untouched, any(Path(folder).glob("rates-*.json"))
     finally:
-        cost_model._rates_folder = saved
+        cost_model.rates_folder = saved
         zpp_compile.reset()
 
 
@@ -84,14 +84,14 @@ def measured_comm_cpu() -> tuple[float, float]:
 
     from zpp_compile import cost_model
 
-    saved = cost_model._rates_folder
+    saved = cost_model.rates_folder
     with tempfile.TemporaryDirectory() as folder:
-        cost_model._rates_folder = lambda: Path(folder)  # nothing remembered: measured here
+        cost_model.rates_folder = lambda: Path(folder)  # nothing remembered: measured here
         try:
             auto = build_cost_model(zpp_compile.Config(plan="auto"))
             manual = build_cost_model(zpp_compile.Config())
         finally:
-            cost_model._rates_folder = saved
+            cost_model.rates_folder = saved
     return auto.comm_cpu_s_per_byte, manual.comm_cpu_s_per_byte
 
 

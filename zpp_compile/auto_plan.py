@@ -38,6 +38,7 @@ into world order).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
@@ -166,6 +167,7 @@ class AutoPlan:
     # timed, each one's median step in seconds on the slowest rank (plan_trial.PlanTrial).
     candidates: tuple[Option, ...] = ()
     trial_seconds: dict[Option, float] = dataclasses.field(default_factory=dict)
+    kept_by_earlier_trial: bool = False  # a trial of an earlier run on this machine kept this option
 
     @property
     def measured_bytes(self) -> int:
@@ -214,6 +216,10 @@ class AutoPlan:
             lines += [f"    {o.name:<50} {s * 1e3:>9.1f}" for o, s in self.trial_seconds.items()]
         elif len(self.candidates) > 1:
             lines.append(f"  to be timed: {'; '.join(o.name for o in self.candidates)}")
+        elif self.kept_by_earlier_trial:
+            lines.append(
+                "  kept by the trial of an earlier run on this machine (Config.plan_trial_steps), not timed again"
+            )
         return "\n".join(lines)
 
 
@@ -269,10 +275,13 @@ def choose_plan(
     chosen = pick(estimates) if option is None else next(e for e in estimates if e.option == option)
     trial = option is None and training and state.config.plan_trial_steps > 0
     candidates = tuple(e.option for e in trial_candidates(estimates, chosen)) if trial else ()
+    kept = state.kept_by_trials.get(trial_key(state.config, key, candidates)) if len(candidates) > 1 else None
+    if kept is not None:  # an earlier run's trial of the same candidates: take what it kept
+        chosen, candidates = next(e for e in estimates if e.option.name == kept), ()
     plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology,
                                                    keep_whole_numel=state.keep_whole_numel),
                     estimates, budget, persistent, describe_links(state.cost_model), key=key,
-                    candidates=candidates)  # fmt: skip
+                    candidates=candidates, kept_by_earlier_trial=kept is not None)  # fmt: skip
     log.info("zpp_compile: plan of %s", plan)
     return plan
 
@@ -327,6 +336,13 @@ def trial_candidates(estimates: list[Estimate], chosen: Estimate) -> list[Estima
         key=lambda e: (e.step_s, e.option.techniques.count),
     )
     return [chosen, *others][:TRIAL_CANDIDATES]
+
+
+def trial_key(config: Config, key: Optional[tuple], candidates: tuple[Option, ...]) -> str:
+    """What a trial's result is remembered by (plan_trial.remember_kept): the Config, the graph's
+    parameters and whether it trains, and the candidates (which the rates and the graph decide)."""
+    text = repr((config, key, [o.name for o in candidates]))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 _DEFAULT = Config()

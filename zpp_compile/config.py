@@ -309,7 +309,9 @@ class Config:
         "steps (after one warm-up step), then keeps the one whose median step was shortest on the slowest rank; "
         "every rank keeps the same one. Costs one compile per extra candidate and, while the trial runs, "
         "steps under plans that are not the fastest (and, where one candidate has qwZ and another not, "
-        "forward numerics that change from candidate to candidate). 0: the estimate alone decides",
+        "forward numerics that change from candidate to candidate). What a trial keeps is remembered in "
+        "Inductor's cache folder: a restarted job weighing the same candidates takes it without timing again. "
+        "0: the estimate alone decides",
     )
     dump_graphs_dir: Optional[str] = _field(
         None, "dump every graph before/after every pass to this folder (also `ZPP_DUMP_GRAPHS=dir`)"

@@ -304,7 +304,7 @@ def _remembered(
                 "compute_tflops=) schedules by fixed rates instead.",
                 _rounded(rates), path, _rounded(stored), taken, REMEMBERED_RATES_TOLERANCE,
             )  # fmt: skip
-        _write_rates(path, rates)
+        write_json_atomically(path, rates)
     _carried_in_mega_cache(path, rates)
     return rates
 
@@ -341,7 +341,7 @@ def _carried_in_mega_cache(path: Path, rates: dict[str, float]) -> None:
     from torch._inductor.runtime.autotune_cache import AutotuneCacheArtifact
     from torch.compiler._cache import CacheArtifactManager
 
-    key = str(path.relative_to(_rates_folder().parent))
+    key = str(path.relative_to(rates_folder().parent))
     CacheArtifactManager.record_artifact(AutotuneCacheArtifact.type(), key, rates)
 
 
@@ -349,10 +349,10 @@ def rates_file(world: int, device: torch.device, nodes: int = 1, auto: bool = Fa
     """Where measured rates are remembered: in Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR);
     an automatic plan's (more rates, per link) apart."""
     kind = (f"-nodes{nodes}" if nodes > 1 else "") + ("-auto" if auto else "")
-    return _rates_folder() / f"rates-world{world}{kind}-{device.type}.json"
+    return rates_folder() / f"rates-world{world}{kind}-{device.type}.json"
 
 
-def _rates_folder() -> Path:
+def rates_folder() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir()) / "zpp_compile"
@@ -366,7 +366,7 @@ def _read_rates(path: Path, names) -> Optional[dict[str, float]]:
         return None
 
 
-def _write_rates(path: Path, rates: dict[str, float]) -> None:
+def write_json_atomically(path: Path, rates: dict) -> None:
     """Atomically (ranks of several nodes may share the folder); a folder we cannot write is no error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

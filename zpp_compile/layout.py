@@ -148,6 +148,9 @@ class ShardedState:
     # Config.plan_trial_steps: the graphs whose candidate plans are still to be timed, in compile
     # order; the first is being timed (plan_trial.PlanTrial).
     plan_trials: list = dataclasses.field(default_factory=list)
+    # Config.plan_trial_steps: what earlier runs' trials kept (auto_plan.trial_key -> option name),
+    # the same on every rank (plan_trial.agreed_kept_plans).
+    kept_by_trials: dict = dataclasses.field(default_factory=dict)
     memory_budget_bytes: int = 0  # Config(plan="auto"): the budget every rank plans with (auto_plan.settle_budget)
     keep_whole_numel: int = 0  # the Config's, or under plan="auto" the one chosen (auto_plan.choose_keep_whole_numel)
 

@@ -15,19 +15,29 @@ them), so switching between calls is safe. Every rank calls its graphs in the sa
 every rank runs the same candidate at each call and reaches the agreement at the same call.
 Graphs of one model are timed one at a time (ShardedState.plan_trials, in compile order): while
 one is timed the others run their first candidate, so each measured step differs in one graph only.
+
+What a trial keeps is remembered next to the measured rates (in Inductor's cache folder), by the
+Config, the graph's parameters and the candidates (auto_plan.trial_key). A later run whose graph
+weighs the same candidates takes it without timing again (no extra compiles), if every rank
+remembers the same (shard() compares the ranks' files with one all-reduce; where they differ,
+every rank times afresh).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .auto_plan import AutoPlan
-from .cost_model import resolve_group
+from .auto_plan import AutoPlan, trial_key
+from .cost_model import rates_folder, resolve_group, write_json_atomically
 from .faults import explained_collective_failures
 from .layout import ShardedState
 
@@ -78,6 +88,7 @@ class PlanTrial:
         slowest = medians.tolist()
         self.winner = min(range(len(slowest)), key=slowest.__getitem__)
         settled(self.state, self.plans, slowest, self.winner)
+        remember_kept(self.state, self.plans[0], self.plans[self.winner], self.device)
         self.compiled = [c if i == self.winner else None for i, c in enumerate(self.compiled)]
         self.state.plan_trials.remove(self)
 
@@ -93,3 +104,39 @@ def settled(state: ShardedState, plans: list[AutoPlan], seconds: list[float], wi
     at = next(i for i, p in enumerate(state.auto_plans) if p is first)
     state.auto_plans[at] = plan
     plan.label = first.label
+
+
+def kept_plans_file(state: ShardedState, device: torch.device) -> Path:
+    """Where the plans trials kept are remembered: beside the rates (cost_model.rates_file)."""
+    topology = state.topology
+    return rates_folder() / f"plan-trials-world{topology.world_size}-nodes{topology.num_nodes}-{device.type}.json"
+
+
+def _read_kept(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: time afresh
+        return {}
+    ok = isinstance(data, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in data.items())
+    return data if ok else {}
+
+
+def agreed_kept_plans(state: ShardedState, device: torch.device) -> dict[str, str]:
+    """shard() (collective): what earlier trials kept, as this rank's file says, if every rank's says
+    the same; else nothing (every rank then times its candidates)."""
+    kept = _read_kept(kept_plans_file(state, device))
+    digest = int.from_bytes(hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).digest()[:7], "big")
+    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=device)  # max, and -min
+    group = resolve_group(state.topology.world_group_name) if state.topology.world_group_name else None
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    return kept if bounds[0].item() == -bounds[1].item() else {}
+
+
+def remember_kept(state: ShardedState, first: AutoPlan, kept: AutoPlan, device: torch.device) -> None:
+    """Add what this trial kept to the file (one rank per node writes it: the ranks agree)."""
+    if int(os.environ.get("LOCAL_RANK", dist.get_rank())) != 0:
+        return
+    path = kept_plans_file(state, device)
+    remembered = _read_kept(path)
+    remembered[trial_key(state.config, first.key, first.candidates)] = kept.chosen.option.name
+    write_json_atomically(path, remembered)

@@ -50,6 +50,7 @@ from .layout import (
     sharded_state,
     unwrap_compiled,
 )
+from .plan_trial import agreed_kept_plans
 from .process_state import register_reset
 from .topology import Topology, build_topology, require_initialized, set_current_topology
 
@@ -106,6 +107,8 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     if config.auto_plan:  # before any parameter is replaced: a refused budget leaves the model as it was
         settle_budget(state, device)
         state.keep_whole_numel = choose_keep_whole_numel(state)
+        if config.plan_trial_steps:
+            state.kept_by_trials = agreed_kept_plans(state, device)
     _keep_whole(specs, kept_whole_names(specs.values(), state.keep_whole_numel))
     state.specs = {spec.fqn: spec for spec in specs.values()}
     shards: dict[int, nn.Parameter] = {}  # id(full parameter) -> its DTensor, so tied weights stay tied
