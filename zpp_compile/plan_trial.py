@@ -79,7 +79,8 @@ class PlanTrial:
 
     def _settle(self) -> None:
         """Every rank keeps the candidate whose median step, on the slowest rank, was shortest."""
-        medians = torch.tensor([statistics.median(s) for s in self.seconds], dtype=torch.float64)
+        # On the device: NCCL groups take CUDA tensors only.
+        medians = torch.tensor([statistics.median(s) for s in self.seconds], dtype=torch.float64, device=self.device)
         topology = self.state.topology
         group = resolve_group(topology.world_group_name) if topology.world_group_name else None
         where = f"the plan trial of {self.plans[0].label} (Config.plan_trial_steps)"
