@@ -212,7 +212,7 @@ def _finish_plan_trials(model: torch.nn.Module, step: Callable, tokens: torch.Te
     """Step a "timed" automatic plan until its trial has kept a plan (Config.plan_trial_steps):
     its steps run back to back, as in training, and none of them is in the round-robin's timing."""
     for _ in range(TRIAL_WARMUP_LIMIT):
-        if not zpp_compile.is_sharded(model) or not model._zpp_state.plan_trials:
+        if not any(p.awaiting_trial for p in zpp_compile.explain(model).auto_plans):
             return
         measure(step, tokens)
     raise RuntimeError(f"the plan trial did not finish within {TRIAL_WARMUP_LIMIT} steps")
@@ -245,7 +245,8 @@ def main() -> None:
         steps[name] = build_step(*ALL_CONFIGS[name])
         first[name] = measure(steps[name], tokens)["s"]
         measure(steps[name], tokens)
-        _finish_plan_trials(BUILT[len(BUILT) - 1], steps[name], tokens)
+        if ALL_CONFIGS[name][1].get("plan_trial_steps"):
+            _finish_plan_trials(BUILT[len(BUILT) - 1], steps[name], tokens)
     samples = {name: [] for name in names}
     for _ in tracked(range(args.steps), "timed steps, every config"):
         for name in names:

@@ -196,14 +196,11 @@ def zpp_config(args: argparse.Namespace) -> zpp_compile.Config:
 def trial_just_ended(model: torch.nn.Module) -> bool:
     """Whether the last step ended a plan trial (Config.plan_trial_steps): some graph's plan has
     timings, and none has candidates still to time. True once."""
+    if getattr(model, "_trial_reported", False):
+        return False
     plans = zpp_compile.explain(model).auto_plans
-    ended = any(p.trial_seconds for p in plans) and not any(
-        len(p.candidates) > 1 and not p.trial_seconds for p in plans
-    )
-    if ended and not getattr(model, "_trial_reported", False):
-        model._trial_reported = True
-        return True
-    return False
+    model._trial_reported = any(p.trial_seconds for p in plans) and not any(p.awaiting_trial for p in plans)
+    return model._trial_reported
 
 
 def mode_name(args: argparse.Namespace) -> str:

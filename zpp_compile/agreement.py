@@ -37,18 +37,18 @@ def agree_on_model(model: nn.Module, config: Config) -> None:
     """Raise ShardingError on every rank unless all ranks shard the same model with the same Config
     (collective: one all-gather of a digest; the details travel only when they differ)."""
     mine = {"config": config_fingerprint(config), "parameters": parameter_fingerprint(model)}
-    if _all_equal(_digest(mine)):
+    if all_equal(digest(mine)):
         return
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     raise ShardingError(describe_disagreement(everyone))
 
 
-def _digest(value: Any) -> str:
+def digest(value: Any) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()
 
 
-def _all_equal(digest: str) -> bool:
+def all_equal(digest: str) -> bool:
     digests: list[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
     return len(set(digests)) == 1

@@ -170,6 +170,11 @@ class AutoPlan:
     kept_by_earlier_trial: bool = False  # a trial of an earlier run on this machine kept this option
 
     @property
+    def awaiting_trial(self) -> bool:
+        """Whether the candidates of this plan are still to be timed (Config.plan_trial_steps)."""
+        return len(self.candidates) > 1 and not self.trial_seconds
+
+    @property
     def measured_bytes(self) -> int:
         """Persistent state + secondary shards + the larger phase peak of collective results."""
         return self.persistent_bytes + self.secondary_bytes + max(self.peak_collective_bytes.values(), default=0)
@@ -214,7 +219,7 @@ class AutoPlan:
         if self.trial_seconds:
             lines.append("  timed (median step ms, slowest rank; the fastest kept):")
             lines += [f"    {o.name:<50} {s * 1e3:>9.1f}" for o, s in self.trial_seconds.items()]
-        elif len(self.candidates) > 1:
+        elif self.awaiting_trial:
             lines.append(f"  to be timed: {'; '.join(o.name for o in self.candidates)}")
         elif self.kept_by_earlier_trial:
             lines.append(

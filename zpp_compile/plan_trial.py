@@ -25,7 +25,6 @@ every rank times afresh).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -36,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .agreement import all_equal, digest
 from .auto_plan import AutoPlan, trial_key
 from .cost_model import rates_folder, resolve_group, write_json_atomically
 from .faults import explained_collective_failures
@@ -82,10 +82,9 @@ class PlanTrial:
         # On the device: NCCL groups take CUDA tensors only.
         medians = torch.tensor([statistics.median(s) for s in self.seconds], dtype=torch.float64, device=self.device)
         topology = self.state.topology
-        group = resolve_group(topology.world_group_name) if topology.world_group_name else None
         where = f"the plan trial of {self.plans[0].label} (Config.plan_trial_steps)"
         with explained_collective_failures(where, topology.collective_timeout_s):
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=resolve_group(topology.world_group_name))
         slowest = medians.tolist()
         self.winner = min(range(len(slowest)), key=slowest.__getitem__)
         settled(self.state, self.plans, slowest, self.winner)
@@ -100,7 +99,6 @@ def settled(state: ShardedState, plans: list[AutoPlan], seconds: list[float], wi
     timed = dict(zip((p.chosen.option for p in plans), seconds))
     plan = plans[winner]
     plan.trial_seconds = timed
-    plan.candidates = tuple(timed)
     first = plans[0]
     at = next(i for i, p in enumerate(state.auto_plans) if p is first)
     state.auto_plans[at] = plan
@@ -124,13 +122,9 @@ def _read_kept(path: Path) -> dict[str, str]:
 
 def agreed_kept_plans(state: ShardedState, device: torch.device) -> dict[str, str]:
     """shard() (collective): what earlier trials kept, as this rank's file says, if every rank's says
-    the same; else nothing (every rank then times its candidates)."""
+    the same (agreement.all_equal); else nothing (every rank then times its candidates)."""
     kept = _read_kept(kept_plans_file(state, device))
-    digest = int.from_bytes(hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).digest()[:7], "big")
-    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=device)  # max, and -min
-    group = resolve_group(state.topology.world_group_name) if state.topology.world_group_name else None
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    return kept if bounds[0].item() == -bounds[1].item() else {}
+    return kept if all_equal(digest(sorted(kept.items()))) else {}
 
 
 def remember_kept(state: ShardedState, first: AutoPlan, kept: AutoPlan, device: torch.device) -> None:
