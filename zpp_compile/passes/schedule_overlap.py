@@ -5,7 +5,10 @@ carries a cost model (Config.prefetch_limit > 0).
 Before:  each collective is issued where its result is first needed and waited right away:
              ... compute_1 ... ; c_k = all_gather(payload_k); w_k = wait(c_k); use(w_k)
 After:   1. each wait, with the nodes that only unpack its result (slices, views, dequantize),
-            moves down to just before the first node that needs it;
+            moves down to just before the first node that needs it. A collective is not
+            unpacking: where one stage's result is the next stage's payload (hierarchical_reduce
+            and qgz send the in-node sums across nodes), the next stage leaves right after the
+            wait, while the backward still computes, instead of sinking with it to the end;
          2. each collective start, with the nodes that only prepare its input (quantize, pad,
             concat), moves up: far enough that the compute between it and its wait covers its
             estimated transfer time (cost_model), never above its inputs, never above the
@@ -77,12 +80,15 @@ def _is_constant(node: fx.Node) -> bool:
 
 
 def _unpacking_chain(wait: fx.Node) -> set[fx.Node]:
-    """The wait and the nodes below it that need nothing else computed (only it, or constants)."""
+    """The wait and the nodes below it that need nothing else computed (only it, or constants),
+    short of any collective start."""
     chain = {wait}
     frontier = [wait]
     while frontier:
         for user in list(frontier.pop().users):
-            if user in chain or user.op != "call_function":
+            # A collective fed by the result (a hierarchical reduce's second stage) is issued,
+            # not unpacked: carried along, it would sink with the wait to the graph's end.
+            if user in chain or user.op != "call_function" or is_call(user, *COLLECTIVE_STARTS):
                 continue
             if all(arg in chain or _is_constant(arg) for arg in user.all_input_nodes):
                 chain.add(user)
