@@ -327,20 +327,28 @@ def pick(estimates: list[Estimate]) -> Estimate:
 
 def trial_candidates(estimates: list[Estimate], chosen: Estimate) -> list[Estimate]:
     """The options Config.plan_trial_steps times: `chosen`, then, fastest first, the option pick()
-    would take within each other set of techniques whose estimate ties with the fastest (within
-    TIE_FRACTION), up to TRIAL_CANDIDATES in all. Only `chosen` when nothing ties with it."""
+    would take within each other family of techniques (`_family`) whose estimate ties with the
+    fastest (within TIE_FRACTION), up to TRIAL_CANDIDATES in all. Only `chosen` when nothing ties
+    with it."""
     if not chosen.fits:  # nothing fits the budget: pick() took the smallest, nothing to weigh
         return [chosen]
     fastest = min(e.step_s for e in estimates if e.fits)
     tied: dict[Techniques, list[Estimate]] = {}
     for e in estimates:
-        if e.fits and e.step_s <= fastest * (1 + TIE_FRACTION) and e.option.techniques != chosen.option.techniques:
-            tied.setdefault(e.option.techniques, []).append(e)
+        if e.fits and e.step_s <= fastest * (1 + TIE_FRACTION) and _family(e) != _family(chosen):
+            tied.setdefault(_family(e), []).append(e)
     others = sorted(
         (min(group, key=_closeness_to_defaults) for group in tied.values()),
         key=lambda e: (e.step_s, e.option.techniques.count),
     )
     return [chosen, *others][:TRIAL_CANDIDATES]
+
+
+def _family(e: Estimate) -> Techniques:
+    """An option's techniques, hpZ's secondary int8 or fp32 alike: the two differ by the in-node
+    backward gather's bytes, less than a trial of a few steps resolves (run 5 of
+    docs/auto_plan.md), so they share one candidate's slot, and its full compile."""
+    return dataclasses.replace(e.option.techniques, hpz_int8=False)
 
 
 def trial_key(config: Config, key: Optional[tuple], candidates: tuple[Option, ...]) -> str:
