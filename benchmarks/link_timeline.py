@@ -47,14 +47,16 @@ class Samples:
 
     rows: list[tuple[float, int, int]]
 
+    def __post_init__(self) -> None:
+        self._times = [row[0] for row in self.rows]
+
     def bytes_between(self, start: float, end: float) -> tuple[int, int]:
         """(tx, rx) bytes counted between the samples nearest after `start` and after `end`."""
         (_, tx0, rx0), (_, tx1, rx1) = self._at(start), self._at(end)
         return tx1 - tx0, rx1 - rx0
 
     def _at(self, t: float) -> tuple[float, int, int]:
-        times = [row[0] for row in self.rows]
-        return self.rows[min(bisect.bisect_left(times, t), len(self.rows) - 1)]
+        return self.rows[min(bisect.bisect_left(self._times, t), len(self.rows) - 1)]
 
 
 def bytes_per_s(rate: str) -> float:

@@ -304,8 +304,8 @@ class Config:
     )
     plan_trial_steps: int = _field(
         0,
-        'with `plan="auto"`: where the estimate cannot tell apart the best options of several sets of techniques (hpZ with an int8 or an fp32 secondary counts as one) '
-        "(within its 10% tie, at most 3), each training graph compiles each of them and runs each for this many "
+        'with `plan="auto"`: where the estimate cannot tell apart the best options of several sets of techniques '
+        "(hpZ with an int8 or an fp32 secondary counts as one; within its 10% tie, at most 3), each training graph compiles each of them and runs each for this many "
         "steps (after one warm-up step), then keeps the one whose median step was shortest on the slowest rank; "
         "every rank keeps the same one. Costs one compile per extra candidate and, while the trial runs, "
         "steps under plans that are not the fastest (and, where one candidate has qwZ and another not, "
