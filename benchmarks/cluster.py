@@ -118,10 +118,24 @@ def _kill_group(p: subprocess.Popen) -> None:
     p.wait()
 
 
+def link_counters() -> tuple[int, int]:
+    """Bytes node 0's end of the link has sent and received so far (call it in node 0's namespace)."""
+    stats = Path("/sys/class/net") / VETHS[0] / "statistics"
+    tx, rx = (int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes"))
+    return tx, rx
+
+
 def link_bytes() -> int:
     """Bytes that crossed the link so far, both directions (read on node 0's end: call it there)."""
-    stats = Path("/sys/class/net") / VETHS[0] / "statistics"
-    return sum(int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes"))
+    return sum(link_counters())
+
+
+def rate_bytes_per_s(rate: str) -> float:
+    """A tc rate ("100mbit", "1gbit", "500kbit": decimal units, as tc reads them) in bytes per second."""
+    for unit, bits in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * bits / 8
+    raise ValueError(f"--rate {rate!r}: give a tc rate such as 100mbit or 1gbit (an unshaped link has no rate to fill)")
 
 
 def measure_rates(

@@ -224,6 +224,17 @@ def _gradient_reduction_bytes(counter: zpp_compile.CommCounter, locality: str) -
     return sum(counter.bytes(phase="backward", op=op, locality=locality) for op in ops)
 
 
+def start_rank() -> torch.Tensor:
+    """Join the gloo group (torchrun's environment) and return this rank's batch, the same every step."""
+    # Every zeropp config is a model of one class (its frame's compiles add up), and one under
+    # no_sync compiles three variants (sync, accumulate, flush): keep them all compiled.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    dist.init_process_group("gloo")
+    return torch.randint(
+        0, MODEL.vocab_size, (BATCH, MODEL.block_size + 1), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -232,14 +243,8 @@ def main() -> None:
     p.add_argument("--grad-accum", action="store_true", help="default configs: ACCUMULATION_CONFIGS")
     args = p.parse_args()
     args.configs = args.configs or ",".join(ACCUMULATION_CONFIGS if args.grad_accum else CONFIGS)
-    # Every zeropp config is a model of one class (its frame's compiles add up), and one under
-    # no_sync compiles three variants (sync, accumulate, flush): keep them all compiled.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    dist.init_process_group("gloo")
+    tokens = start_rank()
     names = args.configs.split(",")
-    tokens = torch.randint(
-        0, MODEL.vocab_size, (BATCH, MODEL.block_size + 1), generator=torch.Generator().manual_seed(dist.get_rank())
-    )
     steps, first = {}, {}
     for name in tracked(names, "first steps (compile)"):
         steps[name] = build_step(*ALL_CONFIGS[name])

@@ -31,7 +31,13 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster import VETHS, run_on_cluster, set_link_rate, two_node_cluster  # noqa: E402
+from benchmarks.cluster import (  # noqa: E402
+    link_counters,
+    rate_bytes_per_s,
+    run_on_cluster,
+    set_link_rate,
+    two_node_cluster,
+)
 
 SAMPLE_S = 0.002
 BIN_S = 0.02
@@ -57,14 +63,6 @@ class Samples:
 
     def _at(self, t: float) -> tuple[float, int, int]:
         return self.rows[min(bisect.bisect_left(self._times, t), len(self.rows) - 1)]
-
-
-def bytes_per_s(rate: str) -> float:
-    """A tc rate ("100mbit", "1gbit", "500kbit": decimal units, as tc reads them) in bytes per second."""
-    for unit, bits in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * bits / 8
-    raise ValueError(f"--rate {rate!r}: give a tc rate such as 100mbit or 1gbit (an unshaped link has no rate to fill)")
 
 
 def busy(bytes_moved: int, seconds: float, bytes_per_s: float) -> float:
@@ -115,14 +113,10 @@ def report(name: str, samples: Samples, marks_by_rank: list[list[tuple]], bytes_
 
 def sample(out: str) -> None:
     """Read node 0's veth counters every SAMPLE_S until SIGTERM, then write them to `out`."""
-    stats = Path("/sys/class/net") / VETHS[0] / "statistics"
-    tx, rx = (stats / "tx_bytes").open(), (stats / "rx_bytes").open()
     rows, stopped = [], []
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
     while not stopped:
-        tx.seek(0)
-        rx.seek(0)
-        rows.append((time.monotonic(), int(tx.read()), int(rx.read())))
+        rows.append((time.monotonic(), *link_counters()))
         time.sleep(SAMPLE_S)
     Path(out).write_text(json.dumps(rows))
 
@@ -134,10 +128,7 @@ def work(out: str, names: list[str], steps: int) -> None:
 
     from benchmarks import cluster_worker as cw
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    dist.init_process_group("gloo")
-    tokens = torch.randint(0, cw.MODEL.vocab_size, (cw.BATCH, cw.MODEL.block_size + 1),
-                           generator=torch.Generator().manual_seed(dist.get_rank()))  # fmt: skip
+    tokens = cw.start_rank()
     results = {}
     for i, name in enumerate(names):
         model, run = cw.BUILDERS[cw.ALL_CONFIGS[name][0]](cw.ALL_CONFIGS[name][1])
@@ -183,7 +174,7 @@ def main() -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one rank, under torchrun
     args = p.parse_args()
     names = args.configs.split(",")
-    rate = bytes_per_s(args.rate)  # refused before any namespace exists
+    rate = rate_bytes_per_s(args.rate)  # refused before any namespace exists
     if args.sample:
         return sample(args.sample)
     if args.worker:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from benchmarks.link_timeline import Samples, busy, bytes_per_s, phase_rows, report, timeline
+from benchmarks.cluster import rate_bytes_per_s
+from benchmarks.link_timeline import Samples, busy, phase_rows, report, timeline
 
 MB_PER_S = 1e6
 
@@ -43,7 +44,7 @@ def test_report_takes_the_slowest_rank_for_each_step():
 
 
 def test_rates_are_read_as_tc_reads_them():
-    assert bytes_per_s("100mbit") == 12.5e6
-    assert bytes_per_s("1gbit") == 125e6
+    assert rate_bytes_per_s("100mbit") == 12.5e6
+    assert rate_bytes_per_s("1gbit") == 125e6
     with pytest.raises(ValueError, match="tc rate such as 100mbit"):
-        bytes_per_s("none")
+        rate_bytes_per_s("none")

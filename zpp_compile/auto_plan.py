@@ -334,9 +334,9 @@ def trial_candidates(estimates: list[Estimate], chosen: Estimate) -> list[Estima
         return [chosen]
     fastest = min(e.step_s for e in estimates if e.fits)
     tied: dict[Techniques, list[Estimate]] = {}
-    for e in estimates:
-        if e.fits and e.step_s <= fastest * (1 + TIE_FRACTION) and _family(e) != _family(chosen):
-            tied.setdefault(_family(e), []).append(e)
+    for e in (e for e in estimates if e.fits and e.step_s <= fastest * (1 + TIE_FRACTION)):
+        tied.setdefault(_family(e), []).append(e)
+    tied.pop(_family(chosen), None)
     others = sorted(
         (min(group, key=_closeness_to_defaults) for group in tied.values()),
         key=lambda e: (e.step_s, e.option.techniques.count),

@@ -191,9 +191,10 @@ def test_a_sunk_wait_takes_along_the_buffers_its_unpacking_writes_into(group_of_
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
 
 
-def _two_blocks_reduced_hierarchically(group: str, cost_model: CostModel) -> torch.fx.GraphModule:
+def _two_blocks_reduced_hierarchically(group: str) -> torch.fx.GraphModule:
     """Two gradients, each reduced (hierarchical_reduce, a bucket each) once computed, then
-    scheduled; both stages on `group` (one rank: the order is what is checked)."""
+    scheduled on links where transfers take no time; both stages on `group` (one rank: the order
+    is what is checked)."""
     topology = Topology(4, 1, 2, group, node_group_name=group, cross_node_group_name=group)
 
     def reduce(grad):
@@ -205,7 +206,7 @@ def _two_blocks_reduced_hierarchically(group: str, cost_model: CostModel) -> tor
         return [reduced, reduce(first @ w @ w)]
 
     gm = trace(backward, torch.randn(64, 64), torch.randn(64, 64))
-    ctx = context(topology, phase="backward", hierarchical_reduce=True, reduce_bucket_bytes=0, cost_model=cost_model)
+    ctx = context(topology, phase="backward", hierarchical_reduce=True, reduce_bucket_bytes=0, cost_model=FAST_LINK)
     return schedule_overlap(hierarchical_reduce(gm, ctx), ctx)
 
 
@@ -214,7 +215,7 @@ def test_a_two_stage_reduce_sends_each_bucket_on_before_the_next_compute(group_o
     sink to the graph's end with the second stage in tow: every cross-node transfer then waited
     for the whole backward (on the 100 Mbit cluster the link sat idle for the backward's first
     160 ms, and a step took 1.1 s instead of 0.83)."""
-    gm = _two_blocks_reduced_hierarchically(group_of_one, FAST_LINK)
+    gm = _two_blocks_reduced_hierarchically(group_of_one)
     # Per gradient: the first stage, its wait, the second stage; only the second stage's waits
     # sink (nothing in a backward reads a reduced gradient).
     assert _kinds(gm) == ["mm", "start", "wait", "start", "mm", "mm", "start", "wait", "start", "wait", "wait"]
