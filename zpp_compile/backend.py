@@ -30,7 +30,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from . import aot_cache, auto_plan, comm, compat, compile_sharing, compile_timing, inductor_regions, passes
+from . import aot_cache, auto_plan, comm, compat, compile_sharing, compile_timing, inductor_regions, passes, undefined_tangents
 from .faults import explained_collective_failures
 from .layout import ShardedState, shard_spec, state_of_shard
 from .passes.buckets import blocks_of
@@ -79,6 +79,9 @@ class GraphRecord:
     # graphs were loaded), "miss", "bypass: <why>" (not looked up), "miss, not kept: <why>", or
     # counts when a load failed and the graph was compiled again ("1 miss, 1 bypass").
     aot_cache: str = ""
+    # The backward as it runs: lowered per set of tangents its calls left undefined (see
+    # undefined_tangents); `backward` above is the graph with every tangent.
+    backward_variants: Optional[undefined_tangents.TangentVariants] = None
 
 
 _RECORDS: dict[int, GraphRecord] = {}
@@ -123,6 +126,8 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
     compile_timing.log_graph(f"graph{ctx.graph_id}", ctx.stage_seconds, record.aot_cache)
     if record.auto_plan is not None and len(record.auto_plan.candidates) > 1:
         compiled = _plan_trial(gm, example_inputs, ctx, state, record.auto_plan, compiled)
+    if undefined_tangents.static_graph(example_inputs):
+        compiled = undefined_tangents.leaving_undefined(compiled)
     return _naming_parameters(compiled, param_positions)
 
 
@@ -367,6 +372,18 @@ def _lower(rewritten: aot_cache.RewrittenPhase, example_inputs: Sequence[Any], *
         record.saved_for_backward = _saved_for_backward(gm)
     if rewritten.unkept is not None:
         record.aot_cache = f"miss, not kept: {rewritten.unkept}"
+    lower = functools.partial(_lowered_graph, ctx=ctx, record=record)
+    if ctx.phase == "backward":
+        # Lowered when it runs, once per set of tangents the call leaves undefined.
+        compiled = record.backward_variants = undefined_tangents.TangentVariants(gm, example_inputs, lower)
+    else:
+        compiled = lower(gm, example_inputs)
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    return _counting(compiled, collectives, schedule, device, ctx)
+
+
+def _lowered_graph(gm: fx.GraphModule, example_inputs: list[Any], *, ctx: passes.PassContext, record: GraphRecord) -> Callable:
+    """One phase graph lowered: by Inductor (region by region), or the FX graph's own code."""
     if ctx.config.lowering == "inductor":
         lowered, lowered_inputs, moved = _opaque_inputs_outside(gm, example_inputs)
         cache_before = compile_timing.fx_graph_cache_counts()
@@ -378,9 +395,8 @@ def _lower(rewritten: aot_cache.RewrittenPhase, example_inputs: Sequence[Any], *
         )
     else:
         compiled = make_boxed_func(gm.forward)
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     compile_timing.log_phase(ctx.label, ctx.stage_seconds, ctx.phase, record.inductor_cache.get(ctx.phase))
-    return _counting(compiled, collectives, schedule, device, ctx)
+    return compiled
 
 
 def _saved_for_backward(bw_gm: fx.GraphModule) -> list[torch.Tensor]:
