@@ -30,7 +30,17 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from . import aot_cache, auto_plan, comm, compat, compile_sharing, compile_timing, inductor_regions, passes, undefined_tangents
+from . import (
+    aot_cache,
+    auto_plan,
+    comm,
+    compat,
+    compile_sharing,
+    compile_timing,
+    inductor_regions,
+    passes,
+    undefined_tangents,
+)
 from .faults import explained_collective_failures
 from .layout import ShardedState, shard_spec, state_of_shard
 from .passes.buckets import blocks_of
@@ -382,7 +392,9 @@ def _lower(rewritten: aot_cache.RewrittenPhase, example_inputs: Sequence[Any], *
     return _counting(compiled, collectives, schedule, device, ctx)
 
 
-def _lowered_graph(gm: fx.GraphModule, example_inputs: list[Any], *, ctx: passes.PassContext, record: GraphRecord) -> Callable:
+def _lowered_graph(
+    gm: fx.GraphModule, example_inputs: list[Any], *, ctx: passes.PassContext, record: GraphRecord
+) -> Callable:
     """One phase graph lowered: by Inductor (region by region), or the FX graph's own code."""
     if ctx.config.lowering == "inductor":
         lowered, lowered_inputs, moved = _opaque_inputs_outside(gm, example_inputs)
