@@ -136,7 +136,7 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
     compile_timing.log_graph(f"graph{ctx.graph_id}", ctx.stage_seconds, record.aot_cache)
     if record.auto_plan is not None and len(record.auto_plan.candidates) > 1:
         compiled = _plan_trial(gm, example_inputs, ctx, state, record.auto_plan, compiled)
-    if undefined_tangents.static_graph(example_inputs):
+    if undefined_tangents.static_outputs(gm):
         compiled = undefined_tangents.leaving_undefined(compiled)
     return _naming_parameters(compiled, param_positions)
 

@@ -14,7 +14,7 @@ zero-filled constant in the graph, which Inductor folds into the kernels that re
 of allocating it. A variant is compiled the first time a backward needs it; the graph that
 compiled_graphs() shows is the one with every tangent.
 
-Only graphs whose inputs have static shapes take part: a tangent with symbolic sizes has
+Only graphs whose outputs have static shapes take part: a tangent with symbolic sizes has
 nothing in the backward graph to size its zeros from. A tangent with static sizes but other
 strides than contiguous ones is filled at run time, as autograd would have done.
 """
@@ -34,13 +34,12 @@ from torch.utils import _pytree as pytree
 Lower = Callable[[fx.GraphModule, list[Any]], Callable]
 
 
-def static_graph(example_inputs: Sequence[Any]) -> bool:
-    """Whether a Dynamo graph's inputs, hence its outputs' tangents, have static sizes."""
-    return not any(
-        isinstance(v, torch.SymInt)
-        or (isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride())))
-        for v in example_inputs
-    )
+def static_outputs(gm: fx.GraphModule) -> bool:
+    """Whether every tensor a Dynamo graph returns, hence every tangent of its backward, has
+    static sizes and strides."""
+    returned = [n for n in pytree.tree_leaves(gm.graph.output_node().args) if isinstance(n, fx.Node)]
+    values = [n.meta.get("example_value", n.meta.get("val")) for n in returned]
+    return all(v is not None and (not isinstance(v, torch.Tensor) or _static(v)) for v in values)
 
 
 def leaving_undefined(compiled: Callable) -> Callable:
@@ -125,7 +124,7 @@ class _Variant:
         values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
         folded = {i for i in undefined if _foldable(values[i])}
         unsized = [i for i in undefined if i not in folded and not _static(values[i])]
-        if unsized:
+        if unsized:  # static_outputs() keeps such graphs out: not expected
             raise RuntimeError(
                 f"zpp_compile: the backward got no gradient for tangent(s) {unsized} of symbolic size; "
                 "their zeros cannot be made. Give every output of the compiled model a gradient, "
