@@ -161,7 +161,7 @@ def zero_filled(gm: fx.GraphModule, positions: set[int]) -> fx.GraphModule:
     are replaced by zero-filled tensors made inside the graph.
 
     Before: tangents_2: f32[2, 128, 50257] = placeholder; add = aten.add(view_3, tangents_2)
-    After:  zeros: f32[2, 128, 50257] = aten.zeros([2, 128, 50257], ...); add = aten.add(view_3, zeros)
+    After:  full: f32[2, 128, 50257] = aten.full([2, 128, 50257], 0, ...); add = aten.add(view_3, full)
     """
     graph = copy.deepcopy(gm.graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
