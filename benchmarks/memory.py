@@ -3,6 +3,7 @@
 to_empty + init) and DDP, each in fresh processes, plus the theoretical sharded state.
 
     python benchmarks/memory.py [--nproc 4] [--steps 3] [--configs zeropp,zeropp_compiled,zeropp_full,fsdp2,ddp]
+                                [--batch 2]
 
 zeropp_full is qwZ + hpZ + qgZ on 2 simulated nodes (compiled). Peak RSS is the kernel's
 high-water mark of each process (ru_maxrss); the table reports the largest rank's. Each config runs
@@ -10,7 +11,8 @@ twice: with glibc malloc's defaults, and with its mmap threshold fixed at 128 Ki
 glibc raises that threshold to the size of each large block freed (up to 32 MiB), after which
 blocks of that size come from the heap and stay in RSS once freed: the figure then counts memory
 the allocator keeps, not memory the program holds. Fixed, every large tensor is a mapping of its
-own, returned to the OS when freed. Writes the table to docs/memory.md.
+own, returned to the OS when freed. Writes the table to docs/memory.md; with another --batch
+than the default (sequences of 128 tokens per rank and step), it only prints it.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def _build_ddp():
     return model, torch.nn.parallel.DistributedDataParallel(model)
 
 
-def measure(name: str, steps: int, ranks_per_node: int) -> dict:
+def measure(name: str, steps: int, ranks_per_node: int, batch: int = BATCH) -> dict:
     start = time.perf_counter()
     torch.manual_seed(0)
     if name.startswith("zeropp"):
@@ -97,7 +99,7 @@ def measure(name: str, steps: int, ranks_per_node: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in tracked(range(steps), f"{name}: steps"):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        ids = torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
         run(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -117,11 +119,12 @@ def main() -> None:
     p = benchmark_parser(__doc__)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--batch", type=int, default=BATCH, help="sequences of 128 tokens per rank and step")
     p.add_argument("--config", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
-        result = measure(args.config, args.steps, args.ranks_per_node)
+        result = measure(args.config, args.steps, args.ranks_per_node, args.batch)
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, result)
         if dist.get_rank() == 0:
@@ -135,12 +138,16 @@ def main() -> None:
             # A cold start, as a new user's first run: Inductor's cache (and zpp_compile's in it)
             # starts empty, so the figures do not depend on what ran before.
             with tempfile.TemporaryDirectory() as cache:
-                worker_args = ["--config", name, "--steps", str(args.steps)]
+                worker_args = ["--config", name, "--steps", str(args.steps), "--batch", str(args.batch)]
                 per_rank = run_workers(__file__, args.nproc, worker_args, {**env, "TORCHINDUCTOR_CACHE_DIR": cache})
             row += [max(r["after_init_mb"] for r in per_rank), max(r["peak_mb"] for r in per_rank)]
         rows.append(tuple(row))
         print(f"{name}: {rows[-1]}", flush=True)
-    publish(_table(rows, args, theoretical_state_mb(args.nproc)), "memory.md", "Memory per rank: GPT-2 small")
+    table = _table(rows, args, theoretical_state_mb(args.nproc))
+    if args.batch == BATCH:
+        publish(table, "memory.md", "Memory per rank: GPT-2 small")
+    else:  # docs/memory.md keeps the default batch's table
+        print(table)
 
 
 def _table(rows: list, args, state_mb: float) -> str:
@@ -148,8 +155,9 @@ def _table(rows: list, args, state_mb: float) -> str:
     threshold fixed."""
     ddp = next((row for row in rows if row[0] == "ddp"), None)
     lines = [
-        f"`python benchmarks/memory.py --nproc {args.nproc} --steps {args.steps}` (HF GPT-2 small, 124M "
-        f"parameters, {BATCH} x {SEQ} tokens per rank per step, AdamW, CPU, gloo; peak RSS of the largest rank "
+        f"`python benchmarks/memory.py --nproc {args.nproc} --steps {args.steps}"
+        + (f" --batch {args.batch}" if args.batch != BATCH else "")
+        + f"` (HF GPT-2 small, 124M parameters, {args.batch} x {SEQ} tokens per rank per step, AdamW, CPU, gloo; peak RSS of the largest rank "
         "from process start, each run with an empty Inductor cache). Left: glibc malloc's defaults. Right: its mmap threshold fixed at 128 KiB "
         "(`MALLOC_MMAP_THRESHOLD_=131072`), so freed tensors leave RSS and the peak counts what the program "
         "holds rather than what the allocator keeps.",
