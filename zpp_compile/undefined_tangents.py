@@ -30,6 +30,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .passes.graph_utils import has_static_geometry
+
 # (graph, example inputs) -> boxed callable: how the backend lowers a phase.
 Lower = Callable[[fx.GraphModule, list[Any]], Callable]
 
@@ -57,16 +59,17 @@ def leaving_undefined(compiled: Callable) -> Callable:
 def leave_undefined(outputs: Any, inputs: Sequence[Any]) -> None:
     """After a compiled forward: its backward gets None, not zeros, for outputs no gradient reaches.
 
-    Only the nodes of AOTAutograd's compiled functions whose tangents are plain tensors are
-    touched (a subclass tangent flattens into several, which None cannot stand for). An output
-    that is one of the inputs is another graph's, whose backward may not take None.
+    The outputs of one call share one AOTAutograd node: the first found is the one to set. Only a
+    node whose tangents are plain tensors is touched (a subclass tangent flattens into several,
+    which None cannot stand for). An output that is one of the inputs is another graph's, whose
+    backward may not take None.
     """
-    given = {id(v) for v in inputs if isinstance(v, torch.Tensor)}
     for out in pytree.tree_leaves(outputs):
-        if not isinstance(out, torch.Tensor) or id(out) in given or out.grad_fn is None:
+        if not isinstance(out, torch.Tensor) or out.grad_fn is None:
             continue
-        if _plain_tangents(getattr(type(out.grad_fn), "_forward_cls", None)):
+        if _plain_tangents(getattr(type(out.grad_fn), "_forward_cls", None)) and not any(out is v for v in inputs):
             out.grad_fn.materialize_grads = False
+            return
 
 
 def _plain_tangents(function: Any) -> bool:
@@ -85,6 +88,7 @@ class TangentVariants:
         self._gm, self._example_inputs, self._lower = gm, list(example_inputs), lower
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._tangents = [i for i, n in enumerate(placeholders) if n.name.startswith("tangents")]
+        self._values = [n.meta.get("val") for n in placeholders]
         self._variants: dict[tuple[int, ...], _Variant] = {}
         self._boxed_call = True
         # Lowered later, as AOTAutograd lowers a backward lazily: inside the compile's contexts.
@@ -96,7 +100,7 @@ class TangentVariants:
         variant = self._variants.get(undefined)
         if variant is None:
             with self._compiling():
-                variant = _Variant.lower(self._gm, self._example_inputs, undefined, self._lower)
+                variant = _Variant.lower(self._gm, self._values, self._example_inputs, undefined, self._lower)
             self._variants[undefined] = variant
         return variant(args)
 
@@ -120,8 +124,10 @@ class _Variant:
         self.compiled, self.folded, self.filled = compiled, folded, filled
 
     @classmethod
-    def lower(cls, gm: fx.GraphModule, example_inputs: list[Any], undefined: tuple[int, ...], lower: Lower) -> _Variant:
-        values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    def lower(
+        cls, gm: fx.GraphModule, values: list[Any], example_inputs: list[Any], undefined: tuple[int, ...], lower: Lower
+    ) -> _Variant:
+        """`values`: gm's placeholders' fake values."""
         folded = {i for i in undefined if _foldable(values[i])}
         unsized = [i for i in undefined if i not in folded and not _static(values[i])]
         if unsized:  # static_outputs() keeps such graphs out: not expected
@@ -147,9 +153,7 @@ class _Variant:
 
 
 def _static(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and not any(
-        isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())
-    )
+    return isinstance(value, torch.Tensor) and has_static_geometry(value)
 
 
 def _foldable(value: Any) -> bool:
