@@ -5,7 +5,8 @@ to_empty + init) and DDP, each in fresh processes, plus the theoretical sharded 
     python benchmarks/memory.py [--nproc 4] [--steps 3] [--configs zeropp,zeropp_compiled,zeropp_full,fsdp2,ddp]
                                 [--batch 2]
 
-zeropp_full is qwZ + hpZ + qgZ on 2 simulated nodes (compiled). Peak RSS is the kernel's
+zeropp_full is qwZ + hpZ + qgZ on 2 simulated nodes (compiled); zeropp_dynamic, named in --configs
+only, is zeropp_compiled with dynamic shapes (torch.compile(dynamic=True)). Peak RSS is the kernel's
 high-water mark of each process (ru_maxrss); the table reports the largest rank's. Each config runs
 twice: with glibc malloc's defaults, and with its mmap threshold fixed at 128 KiB. By default
 glibc raises that threshold to the size of each large block freed (up to 32 MiB), after which
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import benchmark_parser, publish, run_workers, tracked  # noqa: E402
 
 CONFIGS = ("zeropp", "zeropp_compiled", "zeropp_full", "fsdp2", "ddp")
+EXTRA_CONFIGS = ("zeropp_dynamic",)  # run only when named in --configs
 # glibc's defaults, then its mmap threshold fixed (freed tensors leave RSS): see the docstring.
 ALLOCATORS = ({}, {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
 SEQ, BATCH, VOCAB = 128, 2, 50257
@@ -63,7 +65,7 @@ def _build_zeropp(name: str, ranks_per_node: int):
     )  # fmt: skip
     zpp_compile.shard(model, config)
     zpp_compile.materialize(model, init=lambda m: m.init_weights())
-    run = model if name == "zeropp" else torch.compile(model, backend="zeropp")
+    run = model if name == "zeropp" else torch.compile(model, backend="zeropp", dynamic=name == "zeropp_dynamic")
     return model, run
 
 
@@ -131,6 +133,9 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(everyone))
         dist.destroy_process_group()
         return
+    unknown = set(args.configs.split(",")) - {*CONFIGS, *EXTRA_CONFIGS}
+    if unknown:
+        p.error(f"--configs: unknown {sorted(unknown)}; choose from {', '.join((*CONFIGS, *EXTRA_CONFIGS))}")
     rows = []
     for name in tracked(args.configs.split(","), "configs"):
         row = [name]

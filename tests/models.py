@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Optional
 
 import torch
@@ -216,7 +217,7 @@ def hf_llama() -> nn.Module:
 
 
 HF_MODELS = ("hf_gpt2", "hf_llama")  # without dropout: they train like their unsharded copies
-TOKEN_MODELS = ("gpt", "break_gpt", *HF_MODELS, "hf_gpt2_dropout", "hf_gpt2_uneven")
+TOKEN_MODELS = ("gpt", "deep_gpt", "break_gpt", *HF_MODELS, "hf_gpt2_dropout", "hf_gpt2_uneven")
 
 
 def build(name: str) -> nn.Module:
@@ -229,6 +230,8 @@ def build(name: str) -> nn.Module:
         "ckpt_mlp": CheckpointedMLP,
         "no_grad_mlp": NoGradNormMLP,
         "gpt": lambda: GPT(TINY_GPT),
+        # Six wider blocks: hpZ's secondary shards outweigh a gather's buffers (tests/test_auto_plan.py).
+        "deep_gpt": lambda: GPT(dataclasses.replace(TINY_GPT, n_layer=6, n_embd=96)),
         "break_gpt": lambda: BreakInBlocksGPT(TINY_GPT),
         "break_read_mlp": BreakAroundReadMLP,
         "random_mlp": RandomOpsMLP,
@@ -253,7 +256,7 @@ def batch(name: str, global_batch: int, step: int) -> tuple[torch.Tensor, torch.
 
 
 def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if name in ("gpt", "break_gpt"):
+    if name in ("gpt", "deep_gpt", "break_gpt"):
         return model(x, y)
     if name.startswith("hf_"):  # Hugging Face shifts the labels itself
         return model(input_ids=x, labels=x).loss

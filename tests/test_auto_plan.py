@@ -18,7 +18,9 @@ from zpp_compile.auto_plan import (
     Option,
     Techniques,
     estimate,
+    hpz_names,
     options,
+    partial_hpz_estimates,
     pick,
     resolved_config,
     trial_candidates,
@@ -169,11 +171,50 @@ def test_saved_gathered_weights_are_held_in_memory_and_never_gathered_again():
         assert (held.inter_bytes, held.intra_bytes) == (none_read.inter_bytes, none_read.intra_bytes), o
 
 
+# Ten times FACTS' weights: hpZ's secondary shards then outweigh the buckets, as in a large model.
+MANY_WEIGHTS = dataclasses.replace(
+    FACTS, gathers=FACTS.gathers * 10, reductions=FACTS.reductions * 10, compute_s=1.0,
+    gather_names=tuple(f"w{i:03d}" for i in range(240)),
+)  # fmt: skip
+
+
+def test_a_budget_short_of_every_secondary_shard_gives_hpz_to_the_weights_the_backward_gathers_first():
+    config, cost = zpp_compile.Config(plan="auto"), _cost(0.1, 10.0)
+
+    def weighed(headroom: int) -> list[Estimate]:
+        estimates = [
+            estimate(o, MANY_WEIGHTS, TWO_NODES, cost, config, headroom) for o in options(TWO_NODES, config, True)
+        ]
+        return estimates + partial_hpz_estimates(estimates, MANY_WEIGHTS, TWO_NODES, cost, config, headroom)
+
+    unbounded = weighed(2**40)
+    free = pick(unbounded)
+    assert free.option.techniques.hpz and free.option.hpz_weights is None
+    # Two thirds of what the leanest option with hpZ for every weight needs.
+    headroom = min(e.memory_bytes for e in unbounded if e.option.techniques.hpz) * 2 // 3
+    estimates = weighed(headroom)
+    tight = pick(estimates)
+    weights = tight.option.hpz_weights
+    assert tight.option.techniques.hpz and 0 < weights < 240 and tight.memory_bytes <= headroom
+    # As many weights as the budget holds: one more would not fit.
+    one_more = dataclasses.replace(tight.option, hpz_weights=weights + 1)
+    assert not estimate(one_more, MANY_WEIGHTS, TWO_NODES, cost, config, headroom).fits
+    # Faster than every plan without hpZ that fits, slower than hpZ for every weight.
+    assert free.step_s < tight.step_s < min(e.step_s for e in estimates if e.fits and not e.option.techniques.hpz)
+    assert f"(hpZ for the backward's first {weights} weights)" in tight.option.name
+    # The weights the backward gathers first are the forward's last; the Config names them.
+    names = hpz_names(tight.option, MANY_WEIGHTS)
+    assert names == tuple(f"w{i:03d}" for i in range(240 - weights, 240))
+    resolved = resolved_config(config, tight.option, TWO_NODES, keep_whole_numel=0, hpz_parameters=names)
+    assert resolved.hpz_size == 2 and resolved.hpz_parameters == names
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(plan="auto", quantize_weights=True), "chooses quantize_weights itself"),
         (dict(plan="auto", hpz_size=2, prefetch_limit=1), "chooses hpz_size, prefetch_limit itself"),
+        (dict(plan="auto", hpz_parameters=("fc.weight",)), "chooses hpz_parameters itself"),
         (dict(memory_budget_bytes=2**30), "read by the automatic plan only; add plan='auto'"),
         (dict(allow_lossy=True), "read by the automatic plan only"),
         (dict(plan="fast"), "not a plan mode"),
@@ -215,6 +256,16 @@ def _train(name: str, config: zpp_compile.Config, steps: int = 2) -> dict:
         "text": str(zpp_compile.explain(model)) if auto else "",
         "trial_seconds": [{o.name: s for o, s in p.trial_seconds.items()} for p in plans],
         "compiled_plans": [r.auto_plan.chosen.option.name for r in compiled_graphs() if r.auto_plan is not None],
+        "persistent_bytes": [p.persistent_bytes for p in plans],
+        # Per plan, the least the options without hpZ and those giving every weight hpZ add to
+        # what persists.
+        "least_added_bytes": [
+            (
+                min(e.memory_bytes for e in p.estimates if not e.option.techniques.hpz),
+                min(e.memory_bytes for e in p.estimates if e.option.techniques.hpz and e.option.hpz_weights is None),
+            )
+            for p in plans
+        ],  # fmt: skip
     }
     reset_process_state()
     return result
@@ -411,3 +462,28 @@ def test_a_restarted_job_takes_the_plan_its_trial_kept_without_timing_again(pool
         assert restarted["plans"][0][0] == kept
         assert restarted["trial_seconds"] == [{}] and restarted["compiled_plans"] == [kept]  # one compile
         assert "kept by the trial of an earlier run on this machine" in restarted["text"]
+
+
+def partial_hpz_plan() -> dict:
+    free = budget_run("deep_gpt", 2**40)
+    # Nine tenths of the way from the leanest plan without hpZ to the leanest with every weight's
+    # secondary shard.
+    without, every = free["least_added_bytes"][0]
+    budget = free["persistent_bytes"][0] + without + (every - without) * 9 // 10
+    auto = budget_run("deep_gpt", budget)
+    manual = _train("deep_gpt", auto["configs"][0], steps=1)
+    return {"free": free, "auto": auto, "manual": manual, "budget": budget}
+
+
+def test_a_budget_short_of_every_secondary_shard_compiles_hpz_for_some_weights(pools):
+    for r in pools(4).run(partial_hpz_plan):
+        free, auto, manual = r["free"], r["auto"], r["manual"]
+        assert "hpZ" in free["plans"][0][0] and "(hpZ for" not in free["plans"][0][0], free["plans"]
+        ((name, inter, intra),) = auto["plans"]
+        assert "(hpZ for the backward's first" in name, name
+        # The estimate's bytes are those the step sends, link by link.
+        assert (auto["inter"], auto["intra"]) == (inter, intra)
+        covered = auto["configs"][0].hpz_parameters
+        assert covered and all(n.startswith("blocks.") for n in covered), covered
+        assert max(auto["measured_bytes"]) <= r["budget"]
+        assert all(torch.equal(x, y) for x, y in zip(auto["grads"][0], manual["grads"][0]))

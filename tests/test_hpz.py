@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -189,6 +190,56 @@ def test_hpz_with_activation_checkpointing_and_gradient_accumulation(pools, name
 def test_hpz_two_nodes_of_four_gives_bitwise_equal_gradients(pools, hpz_size):
     for result in pools(8).run(hpz_vs_plain, "mlp", 4, hpz_size):
         _check(result, hpz_size)
+
+
+# The GPT's last block: the weights its backward gathers first.
+LAST_BLOCK = tuple(f"blocks.1.{n}" for n in ("attn.qkv.weight", "attn.proj.weight", "fc.weight", "fc_proj.weight"))
+
+
+def hpz_for_some_weights() -> dict:
+    config = zpp_compile.Config(ranks_per_node=2)
+    plain = _train("gpt", config, 2)
+    partial = _train("gpt", dataclasses.replace(config, hpz_size=2, hpz_parameters=LAST_BLOCK), 2)
+    return {"plain": plain, "partial": partial, "world": dist.get_world_size()}
+
+
+def test_hpz_parameters_gives_hpz_to_the_weights_it_names_only(pools):
+    for result in pools(4).run(hpz_for_some_weights):
+        plain, partial, world = result["plain"], result["partial"], result["world"]
+        for step, (a, b) in enumerate(zip(plain["grads"], partial["grads"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: hpZ changed a gradient"
+        # The named weights' backward gathers run in the node from secondary shards (1/2 of the
+        # weight); every other weight's runs over the world from its primary shard, as without hpZ.
+        in_node = [g for g in partial["saved_gathers"] if g[2] == partial["hpz_group"]]
+        over_world = collections.Counter(g for g in partial["saved_gathers"] if g[2] != partial["hpz_group"])
+        moved = collections.Counter(plain["saved_gathers"]) - over_world
+        assert len(in_node) == moved.total() == len(LAST_BLOCK), partial["saved_gathers"]
+        assert over_world.total() == len(plain["saved_gathers"]) - len(LAST_BLOCK) > 0
+        assert sum(sent for _, sent, _, _ in in_node) == sum(sent for _, sent, _, _ in moved.elements()) * world // 2
+        assert 0 < partial["bw_gather_inter"] < plain["bw_gather_inter"]
+
+
+def test_hpz_parameters_with_a_name_the_model_lacks_is_refused(pools):
+    config = zpp_compile.Config(ranks_per_node=2, hpz_size=2, hpz_parameters=("blocks.1.attn.qkv.weight", "nope"))
+    for message in pools(4).run(sharding_error, config):
+        assert "Config.hpz_parameters names ['nope']" in message and "named_parameters()" in message
+
+
+def sharding_error(config: zpp_compile.Config) -> str:
+    try:
+        zpp_compile.shard(build("gpt"), config)
+    except zpp_compile.ShardingError as e:
+        return str(e)
+    finally:
+        reset_process_state()
+    return "no error"
+
+
+def test_hpz_parameters_needs_hpz_and_a_tuple_of_names():
+    with pytest.raises(ValueError, match="set hpz_size too"):
+        zpp_compile.Config(hpz_parameters=("fc.weight",))
+    with pytest.raises(TypeError, match="tuple of parameter names"):
+        zpp_compile.Config(hpz_size=2, hpz_parameters="fc.weight")
 
 
 def forward_gathers_per_config() -> dict[str, int]:

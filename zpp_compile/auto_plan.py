@@ -28,6 +28,8 @@ times are bytes / the link's measured bandwidth plus Config.collective_latency_u
   step     = compute + comm - overlap * min(compute, comm - first gather bucket - last reduction bucket),
              overlap = prefetch / (prefetch + 1) (0 without prefetch): deeper prefetch hides more of
              the compute-long stretches; the first gather and the last reduction hide behind nothing
+An hpZ option over the budget is weighed again with hpZ for the most weights (from the backward's
+start) whose secondary shards fit (partial_hpz_estimates; Config.hpz_parameters).
 Memory: shards + gradient shards (every graph) + hpZ secondary shards (from forward to backward) +
 the forward's tail kept gathered (Config.keep_last_weights_gathered, unless qwZ; every weight the
 backward reads under Config.save_gathered_weights) + (prefetch + 2) buckets as received (in flight,
@@ -108,11 +110,15 @@ class Option:
     techniques: Techniques
     bucket_bytes: int
     prefetch: int
+    # With hpZ: how many of the weights the backward gathers again take it, those it gathers first
+    # (Config.hpz_parameters); None: all. Weighed where the budget cannot hold every secondary shard.
+    hpz_weights: Optional[int] = None
 
     @property
     def name(self) -> str:
         buckets = f"buckets {self.bucket_bytes / 2**20:g} MiB" if self.bucket_bytes else "no buckets"
-        return f"{self.techniques.name}, {buckets}, prefetch {self.prefetch}"
+        partial = "" if self.hpz_weights is None else f" (hpZ for the backward's first {self.hpz_weights} weights)"
+        return f"{self.techniques.name}{partial}, {buckets}, prefetch {self.prefetch}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +151,7 @@ class GraphFacts:
     training: bool
     all_reduces: tuple[tuple[int, int], ...] = ()  # (elements, bytes per element) of each gradient all-reduced
     saves_gathered_weights: bool = False  # Config.save_gathered_weights: every weight read in backward is kept
+    gather_names: tuple[str, ...] = ()  # the parameter of each of `gathers` (what Config.hpz_parameters names)
 
 
 @dataclasses.dataclass
@@ -179,11 +186,11 @@ class AutoPlan:
         """Persistent state + secondary shards + the larger phase peak of collective results."""
         return self.persistent_bytes + self.secondary_bytes + max(self.peak_collective_bytes.values(), default=0)
 
-    def note_compiled(self, phase: str, gm: fx.GraphModule) -> None:
+    def note_compiled(self, phase: str, gm: fx.GraphModule, hpz_group_name: Optional[str] = None) -> None:
         # Reduce-scatter and all-reduce results are the gradient shards, counted as persistent.
         self.peak_collective_bytes[phase] = peak_collective_bytes(gm, ops=("all_gather", "all_to_all"))
-        if phase == "backward" and self.config.hpz_enabled:
-            self.secondary_bytes = weights_gathered_from_inputs(gm)
+        if phase == "backward" and self.config.hpz_enabled and hpz_group_name is not None:
+            self.secondary_bytes = weights_gathered_from_inputs(gm, hpz_group_name)
         if phase != "forward" and self.measured_bytes > self.budget_bytes:
             log.warning(
                 "zpp_compile: %s holds %.1f MB once compiled (shards %.1f, hpZ secondary %.1f, collective results "
@@ -251,6 +258,7 @@ def choose_plan(
     key: Optional[tuple] = None,
     kept: frozenset[fx.Node] = frozenset(),
     option: Optional[Option] = None,
+    name_of: Callable[[fx.Node], Optional[str]] = lambda node: None,
 ) -> AutoPlan:
     """The plan of one graph (the joint graph when `training`, else the inference graph); `block`
     tells a marker's block as bucketing will (passes.blocks_of). Each graph's plan fits the budget
@@ -260,13 +268,14 @@ def choose_plan(
     (a last short batch, automatic dynamic shapes) still choose alike. `kept`: the gathers whose
     weights stay gathered into the backward unless qwZ is chosen (passes.kept_for_backward).
     `option`: take this option (a candidate of a trial, Config.plan_trial_steps) instead of choosing.
+    `name_of`: the parameter a gather marker reads (what Config.hpz_parameters names).
     Otherwise, with Config.plan_trial_steps on a training graph, the plan lists the candidates to time."""
     earlier = next((p for p in state.auto_plans if p.key == key), None) if key is not None else None
     if earlier is not None and option is None:  # a recompile (other shapes, dynamic): the first graph's choice stands
         return dataclasses.replace(
             earlier, label=label, peak_collective_bytes={}, secondary_bytes=0, candidates=(), trial_seconds={}
         )
-    facts = graph_facts(gm, state.cost_model, training, block, state.config.save_gathered_weights, kept)
+    facts = graph_facts(gm, state.cost_model, training, block, state.config.save_gathered_weights, kept, name_of)
     budget = state.memory_budget_bytes
     persistent = persistent_bytes(state)
     estimates = [
@@ -277,6 +286,8 @@ def choose_plan(
             techniques, cap, PREFETCH_DEPTHS, facts, state.topology, state.cost_model, state.config, budget - persistent
         )  # fmt: skip
     ]
+    estimates += partial_hpz_estimates(estimates, facts, state.topology, state.cost_model, state.config,
+                                       budget - persistent)  # fmt: skip
     chosen = pick(estimates) if option is None else next(e for e in estimates if e.option == option)
     trial = option is None and training and state.config.plan_trial_steps > 0
     candidates = tuple(e.option for e in trial_candidates(estimates, chosen)) if trial else ()
@@ -284,7 +295,8 @@ def choose_plan(
     if kept is not None:  # an earlier run's trial of the same candidates: take what it kept
         chosen, candidates = next(e for e in estimates if e.option.name == kept), ()
     plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology,
-                                                   keep_whole_numel=state.keep_whole_numel),
+                                                   keep_whole_numel=state.keep_whole_numel,
+                                                   hpz_parameters=hpz_names(chosen.option, facts)),
                     estimates, budget, persistent, describe_links(state.cost_model), key=key,
                     candidates=candidates, kept_by_earlier_trial=kept is not None)  # fmt: skip
     log.info("zpp_compile: plan of %s", plan)
@@ -379,6 +391,7 @@ def graph_facts(
     block: Callable[[fx.Node], Optional[str]] = lambda node: None,
     save_gathered_weights: bool = False,
     kept: frozenset[fx.Node] = frozenset(),
+    name_of: Callable[[fx.Node], Optional[str]] = lambda node: None,
 ) -> GraphFacts:
     """Read a graph's gather and reduction markers and add up its compute (with
     Config.save_gathered_weights the backward gathers nothing again: it reads the forward's copies;
@@ -388,13 +401,14 @@ def graph_facts(
     # not share: the plan then weighs the communication alone (weights' sizes are static), alike
     # on every rank.
     with_compute = not has_symbolic_shapes(gm)
-    gathers, reductions, all_reduces, compute_s = [], [], [], 0.0
+    gathers, names, reductions, all_reduces, compute_s = [], [], [], [], 0.0
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target == _zpp.gather_param.default:
             wire = node.kwargs.get("dtype") or node.args[0].meta["val"].dtype
             gathers.append((node.args[3], wire.itemsize, node in read_in_backward, node in kept, block(node)))
+            names.append(name_of(node) or "")
         elif node.target == _zpp.reduce_grad.default:
             reductions.append((node.args[2], node.args[0].meta["val"].element_size(), block(node)))
         elif node.target == _zpp.all_reduce_grad.default:
@@ -402,7 +416,9 @@ def graph_facts(
             all_reduces.append((grad.numel(), grad.element_size()))
         elif with_compute and node.target not in _MARKERS:
             compute_s += cost_model.node_seconds(node)
-    return GraphFacts(tuple(gathers), tuple(reductions), compute_s, training, tuple(all_reduces), save_gathered_weights)
+    return GraphFacts(
+        tuple(gathers), tuple(reductions), compute_s, training, tuple(all_reduces), save_gathered_weights, tuple(names)
+    )
 
 
 def _used_in_backward(joint: fx.GraphModule) -> set[fx.Node]:
@@ -431,8 +447,9 @@ def estimate(
 ) -> Estimate:
     """The option's step time and memory for this graph (the model in the module docstring)."""
     (single,) = _estimates(
-        option.techniques, option.bucket_bytes, (option.prefetch,), facts, topology, cost, config, headroom
-    )
+        option.techniques, option.bucket_bytes, (option.prefetch,), facts, topology, cost, config, headroom,
+        option.hpz_weights,
+    )  # fmt: skip
     return single
 
 
@@ -445,16 +462,17 @@ def _estimates(
     cost: CostModel,
     config: Config,
     headroom: int,
+    hpz_weights: Optional[int] = None,
 ) -> list[Estimate]:
-    """estimate() for each prefetch depth of one (techniques, bucket cap): the bytes and buckets,
-    hence the communication time, do not depend on the depth, so they are worked out once."""
-    links, copies = _links(t, cap, facts, topology, cost, config)
+    """estimate() for each prefetch depth of one (techniques, bucket cap[, hpZ's share]): the bytes
+    and buckets, hence the communication time, do not depend on the depth, so they are worked out once."""
+    links, copies = _links(t, cap, facts, topology, cost, config, hpz_weights)
     comm_s, exposed_s = links.seconds()
     inter, intra = links.bytes("inter"), links.bytes("intra")
     compute_s = facts.compute_s + cost.elementwise_seconds(copies) + cost.comm_cpu_seconds(inter + intra)
     estimates = []
     for prefetch in prefetch_depths:
-        option = Option(t, cap, prefetch)
+        option = Option(t, cap, prefetch, hpz_weights)
         overlap = prefetch / (prefetch + 1)
         step_s = compute_s + comm_s - overlap * min(compute_s, comm_s - exposed_s)
         memory = _plan_memory(option, facts, topology, config)
@@ -463,7 +481,13 @@ def _estimates(
 
 
 def _links(
-    t: Techniques, cap: int, facts: GraphFacts, topology: Topology, cost: CostModel, config: Config
+    t: Techniques,
+    cap: int,
+    facts: GraphFacts,
+    topology: Topology,
+    cost: CostModel,
+    config: Config,
+    hpz_weights: Optional[int] = None,
 ) -> tuple[_Links, int]:
     """What the techniques send per phase and link, bucketed under `cap`, and how many element
     copies' time they add per step (QUANTIZE_COPIES per value quantized or dequantized)."""
@@ -471,14 +495,15 @@ def _links(
     links = _Links(cost, world, local, cap, hierarchical_gather=t.hierarchical_gather)
     block, gradient_block = config.weight_block_size, config.gradient_block_size
     quantized = copied = 0
-    for shard_numel, wire_size, read_in_backward, kept, block_name in facts.gathers:
+    covered = hpz_covered(t, facts, hpz_weights)
+    for i, (shard_numel, wire_size, read_in_backward, kept, block_name) in enumerate(facts.gathers):
         full = shard_numel * world
         wire = payload_numel(shard_numel, block) if t.quantize_weights else shard_numel * wire_size
         copied += links.all_gather("forward", wire, world, block_name)
         quantized += (shard_numel + full) if t.quantize_weights else 0
         if not _regathered(read_in_backward, kept, t, facts):
             continue
-        if t.hpz:  # each rank keeps 1/local of the gathered payloads (int8) or of the full weight
+        if i in covered:  # each rank keeps 1/local of the gathered payloads (int8) or of the full weight
             part = world // local * payload_numel(shard_numel, block) if t.hpz_int8 else full // local * wire_size
             links.all_gather("backward", part, local, block_name)
             quantized += full if t.hpz_int8 else 0
@@ -554,6 +579,58 @@ class _Links:
         return max(self.cost.collective_seconds(intra, False), self.cost.collective_seconds(inter, True))
 
 
+def hpz_covered(t: Techniques, facts: GraphFacts, hpz_weights: Optional[int]) -> set[int]:
+    """The gathers (indices into facts.gathers) whose weights the backward gathers again from hpZ's
+    secondary shards: every one gathered again, or the last `hpz_weights` of them in graph order,
+    the first the backward gathers."""
+    if not t.hpz:
+        return set()
+    again = [i for i, (_, _, read, kept, _) in enumerate(facts.gathers) if _regathered(read, kept, t, facts)]
+    return set(again if hpz_weights is None else again[len(again) - hpz_weights :])
+
+
+def hpz_names(option: Option, facts: GraphFacts) -> Optional[tuple[str, ...]]:
+    """Config.hpz_parameters for `option`: None unless it gives hpZ to some weights only."""
+    if option.hpz_weights is None:
+        return None
+    covered = hpz_covered(option.techniques, facts, option.hpz_weights)
+    return tuple(sorted({facts.gather_names[i] for i in covered}))
+
+
+def partial_hpz_estimates(
+    estimates: list[Estimate],
+    facts: GraphFacts,
+    topology: Topology,
+    cost: CostModel,
+    config: Config,
+    headroom: int,
+) -> list[Estimate]:
+    """For each hpZ option over the budget: the same option with hpZ for as many of the weights the
+    backward gathers first as the budget holds the secondary shards of (none where not even one
+    fits). A secondary shard costs memory in proportion to what it saves on the link between
+    nodes, so which weights take it matters less than how many bytes of them the budget holds."""
+    partial = []
+    for e in estimates:
+        if not e.option.techniques.hpz or e.fits or e.option.hpz_weights is not None:
+            continue
+        weights = _most_hpz_weights(e.option, facts, topology, config, headroom)
+        if weights:
+            option = dataclasses.replace(e.option, hpz_weights=weights)
+            partial.append(estimate(option, facts, topology, cost, config, headroom))
+    return partial
+
+
+def _most_hpz_weights(option: Option, facts: GraphFacts, topology: Topology, config: Config, headroom: int) -> int:
+    """The most weights (from the backward's start) `option` can give hpZ within `headroom` (memory
+    grows with their number: a binary search)."""
+    low, high = 0, len(hpz_covered(option.techniques, facts, None))
+    while low < high:
+        middle = (low + high + 1) // 2
+        memory = _plan_memory(dataclasses.replace(option, hpz_weights=middle), facts, topology, config)
+        low, high = (middle, high) if memory <= headroom else (low, middle - 1)
+    return low
+
+
 def _regathered(used_in_backward: bool, kept: bool, t: Techniques, facts: GraphFacts) -> bool:
     """Whether the backward gathers a weight again: kept weights only under qwZ; none where the
     forward's gathered weights are all saved (they are then held, qwZ's as dequantized)."""
@@ -581,7 +658,8 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
     received (int8 under qwZ) -- in flight and in use."""
     world, local, block, t = topology.world_size, topology.ranks_per_node, config.weight_block_size, option.techniques
     forward, backward, secondary, held = [], [], 0, 0
-    for shard_numel, wire_size, read_in_backward, kept, _ in facts.gathers:
+    covered = hpz_covered(t, facts, option.hpz_weights)
+    for i, (shard_numel, wire_size, read_in_backward, kept, _) in enumerate(facts.gathers):
         int8 = world * payload_numel(shard_numel, block)
         full = shard_numel * world * wire_size
         forward.append(int8 if t.quantize_weights else full)
@@ -590,8 +668,9 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
         if not _regathered(read_in_backward, kept, t, facts):
             held += full  # alive from its gather in the forward until the backward has read it
             continue
-        backward.append(int8 if t.hpz_int8 else full)
-        secondary += (int8 if t.hpz_int8 else full) // local if t.hpz else 0
+        int8_secondary = t.hpz_int8 and i in covered  # other backward gathers move the weight's dtype
+        backward.append(int8 if int8_secondary else full)
+        secondary += (int8 if int8_secondary else full) // local if i in covered else 0
     bucket = max(
         _bucket_received(forward, option.bucket_bytes, world), _bucket_received(backward, option.bucket_bytes, world)
     )
@@ -702,8 +781,16 @@ def settle_budget(state: ShardedState, device: torch.device) -> None:
     )
 
 
-def resolved_config(config: Config, option: Option, topology: Topology, *, keep_whole_numel: int) -> Config:
-    """The manual Config the option stands for (with the threshold shard() chose): what the passes read."""
+def resolved_config(
+    config: Config,
+    option: Option,
+    topology: Topology,
+    *,
+    keep_whole_numel: int,
+    hpz_parameters: Optional[tuple[str, ...]] = None,
+) -> Config:
+    """The manual Config the option stands for (with the threshold shard() chose, and the names of
+    the weights hpZ covers where the option gives it to some only): what the passes read."""
     t = option.techniques
     feedback = config.qgz_error_feedback and t.quantize_gradients
     return dataclasses.replace(
@@ -716,6 +803,7 @@ def resolved_config(config: Config, option: Option, topology: Topology, *, keep_
         hpz_size=topology.ranks_per_node if t.hpz else None,
         # Without qwZ only frozen int8 weights can keep an int8 secondary: leave them that default.
         hpz_quantized_secondary=t.hpz_int8 or not (t.hpz and t.quantize_weights),
+        hpz_parameters=hpz_parameters if t.hpz else None,
         quantize_gradients=t.quantize_gradients,
         hierarchical_reduce=t.hierarchical_reduce,
         hierarchical_gather=t.hierarchical_gather,

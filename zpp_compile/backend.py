@@ -136,8 +136,7 @@ def zeropp_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) 
     compile_timing.log_graph(f"graph{ctx.graph_id}", ctx.stage_seconds, record.aot_cache)
     if record.auto_plan is not None and len(record.auto_plan.candidates) > 1:
         compiled = _plan_trial(gm, example_inputs, ctx, state, record.auto_plan, compiled)
-    if undefined_tangents.static_outputs(gm):
-        compiled = undefined_tangents.leaving_undefined(compiled)
+    compiled = undefined_tangents.leaving_undefined(compiled)
     return _naming_parameters(compiled, param_positions)
 
 
@@ -336,7 +335,7 @@ def _apply_auto_plan(ctx: passes.PassContext, state: ShardedState, gm: fx.GraphM
             gm, state, f"graph{ctx.graph_id}", training=training, block=blocks_of(ctx),
             key=(ctx.parameter_names, training),
             kept=frozenset(passes.kept_for_backward(gm.graph, ctx)) if training else frozenset(),
-            option=ctx.plan_option,
+            option=ctx.plan_option, name_of=functools.partial(passes.parameter_name, ctx=ctx),
         )  # fmt: skip
     if ctx.plan_option is None:  # a trial's other candidates stand in for this plan (plan_trial.settled)
         state.auto_plans.append(plan)
@@ -361,7 +360,7 @@ def _compile_partitioned(
     gm = passes.run_passes(gm, ctx, passes.BACKWARD_PASSES if is_backward else passes.FORWARD_PASSES)
     record = _RECORDS[ctx.graph_id]
     if record.auto_plan is not None:
-        record.auto_plan.note_compiled(ctx.phase, gm)
+        record.auto_plan.note_compiled(ctx.phase, gm, ctx.topology.hpz_group_name)
     rewritten = aot_cache.RewrittenPhase.of(ctx.phase, gm, markers, example_inputs)
     return aot_cache.output_code(rewritten, _lower(rewritten, example_inputs, ctx=ctx))
 

@@ -36,6 +36,7 @@ PLANNED_FIELDS = (
     "quantize_weights",
     "hpz_size",
     "hpz_quantized_secondary",
+    "hpz_parameters",
     "quantize_gradients",
     "hierarchical_reduce",
     "hierarchical_gather",
@@ -98,6 +99,14 @@ class Config:
         "with hpZ and qwZ (or frozen int8 weights), keep the secondary shard as the int8 payloads the forward "
         "gathered: the backward dequantizes the same bytes the forward did, for 1/4 (fp32) or 1/2 (16-bit) of "
         "the memory and intra-node bytes of the dequantized alternative (`False`)",
+    )
+    hpz_parameters: Optional[tuple[str, ...]] = _field(
+        None,
+        "with hpZ: the parameters (names as `named_parameters()` gives them) whose backward gathers read "
+        "secondary shards in the node; the others' cross nodes as under ZeRO-3 and cost no secondary "
+        'memory. `None`: every parameter. `plan="auto"` sets it when the memory budget holds the secondary '
+        "shards of only some weights (those the backward gathers first). An unknown name is refused by "
+        "`shard()`; a graph Dynamo runs for several modules follows the names of the one it was compiled for",
     )
     quantize_gradients: bool = _field(
         False,
@@ -359,6 +368,7 @@ class Config:
         _require_float_dtype_or_none(self, "reduce_dtype")
         if self.hpz_size is not None:
             _require_int(self, "hpz_size", minimum=1)
+        _check_hpz_parameters(self)
         if self.ranks_per_node is not None:
             _require_int(self, "ranks_per_node", minimum=1)
         if self.lowering not in ("inductor", "aot_eager"):
@@ -413,6 +423,19 @@ class Config:
     def graph_dump_dir(self) -> Optional[str]:
         """The folder graphs are dumped to: the config's, else $ZPP_DUMP_GRAPHS, else None."""
         return os.fspath(self.dump_graphs_dir) if self.dump_graphs_dir else os.environ.get("ZPP_DUMP_GRAPHS") or None
+
+
+def _check_hpz_parameters(config: Config) -> None:
+    names = config.hpz_parameters
+    if names is None:
+        return
+    if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"Config.hpz_parameters must be a tuple of parameter names (str), got {names!r}; "
+            "e.g. hpz_parameters=tuple(name for name, _ in model.named_parameters() if 'h.11.' in name)."
+        )
+    if not config.hpz_enabled and not config.auto_plan:
+        raise ValueError("Config.hpz_parameters chooses which weights hpZ covers: set hpz_size too, or remove it.")
 
 
 def _check_plan_fields(config: Config) -> None:

@@ -112,11 +112,14 @@ def peak_collective_bytes(gm: fx.GraphModule, ops: Optional[Container[str]] = No
     return max((sum(size for lo, hi, size in spans if lo <= i <= hi) for i in range(len(nodes))), default=0)
 
 
-def weights_gathered_from_inputs(gm: fx.GraphModule) -> int:
-    """Bytes of the graph inputs that an all-gather reads: in a backward graph, the shards the
-    forward handed over to be gathered again (hpZ's secondary shards)."""
+def weights_gathered_from_inputs(gm: fx.GraphModule, group_name: str) -> int:
+    """Bytes of the graph inputs that an all-gather over `group_name` reads: in a backward graph
+    and hpZ's group, the secondary shards the forward handed over (Config.hpz_parameters may leave
+    other weights to be gathered from their primary shards over the world)."""
     gathered = [
-        n.args[0] for n in gm.graph.nodes if n.op == "call_function" and COLLECTIVE_OPS.get(n.target) == "all_gather"
+        n.args[0]
+        for n in gm.graph.nodes
+        if n.op == "call_function" and COLLECTIVE_OPS.get(n.target) == "all_gather" and n.args[-1] == group_name
     ]
     return sum(tensor_bytes(n) for n in _placeholders_behind(gathered))
 

@@ -67,6 +67,15 @@ __all__ = [
 _PLAN_IDS = itertools.count()
 
 
+def _check_hpz_parameters(config: Config, specs: dict[str, ShardSpec]) -> None:
+    unknown = sorted(set(config.hpz_parameters or ()) - specs.keys())
+    if unknown:
+        raise ShardingError(
+            f"Config.hpz_parameters names {unknown}, which the model has no parameter called; use the names "
+            f"model.named_parameters() gives (e.g. {next(iter(specs), '')!r})."
+        )
+
+
 def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_states: bool = True) -> nn.Module:
     """Partition every parameter of `model` across the world (ZeRO-3), in place; returns `model`.
 
@@ -104,6 +113,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     )
     specs = _specs_by_parameter(model, topology, config, state.plan_id)
     state.specs = {spec.fqn: spec for spec in specs.values()}
+    _check_hpz_parameters(config, state.specs)
     if config.auto_plan:  # before any parameter is replaced: a refused budget leaves the model as it was
         settle_budget(state, device)
         state.keep_whole_numel = choose_keep_whole_numel(state)

@@ -14,9 +14,11 @@ zero-filled constant in the graph, which Inductor folds into the kernels that re
 of allocating it. A variant is compiled the first time a backward needs it; the graph that
 compiled_graphs() shows is the one with every tangent.
 
-Only graphs whose outputs have static shapes take part: a tangent with symbolic sizes has
-nothing in the backward graph to size its zeros from. A tangent with static sizes but other
-strides than contiguous ones is filled at run time, as autograd would have done.
+Dynamic shapes take part too: a tangent's symbolic sizes are rebuilt in the graph from the
+backward's symbol-binding inputs, which AOTAutograd's partitioner saves for every symbol a
+tangent names. A tangent with other strides than contiguous ones, or a size no such input
+binds, is filled at run time (its geometry evaluated from the call's symbols), as autograd would
+have done.
 """
 
 from __future__ import annotations
@@ -24,24 +26,22 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from typing import Any, Callable, Sequence
+import operator
+from typing import Any, Callable, Sequence, Union
 
+import sympy
 import torch
 import torch.fx as fx
+from torch._prims_common import make_contiguous_strides_for
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 from .passes.graph_utils import has_static_geometry
 
 # (graph, example inputs) -> boxed callable: how the backend lowers a phase.
 Lower = Callable[[fx.GraphModule, list[Any]], Callable]
-
-
-def static_outputs(gm: fx.GraphModule) -> bool:
-    """Whether every tensor a Dynamo graph returns, hence every tangent of its backward, has
-    static sizes and strides."""
-    returned = [n for n in pytree.tree_leaves(gm.graph.output_node().args) if isinstance(n, fx.Node)]
-    values = [n.meta.get("example_value", n.meta.get("val")) for n in returned]
-    return all(v is not None and (not isinstance(v, torch.Tensor) or _static(v)) for v in values)
+# A symbol -> the position of the backward input that binds it (a SymInt placeholder).
+SymbolInputs = dict[sympy.Symbol, int]
 
 
 def leaving_undefined(compiled: Callable) -> Callable:
@@ -115,36 +115,45 @@ class TangentVariants:
         """The sets of undefined tangent positions compiled so far (for tests and inspection)."""
         return list(self._variants)
 
+    def folded(self) -> list[tuple[int, ...]]:
+        """Per compiled variant, the undefined tangents made as zeros inside its graph (the rest
+        are filled at run time)."""
+        return [tuple(sorted(v.folded)) for v in self._variants.values()]
+
 
 class _Variant:
     """One lowering: `folded` positions are dropped from the call (zeros inside the graph),
     `filled` ones get zeros made at run time."""
 
-    def __init__(self, compiled: Callable, folded: set[int], filled: dict[int, torch.Tensor]) -> None:
-        self.compiled, self.folded, self.filled = compiled, folded, filled
+    def __init__(
+        self, compiled: Callable, folded: set[int], filled: dict[int, torch.Tensor], symbols: SymbolInputs
+    ) -> None:
+        self.compiled, self.folded, self.filled, self.symbols = compiled, folded, filled, symbols
 
     @classmethod
     def lower(
         cls, gm: fx.GraphModule, values: list[Any], example_inputs: list[Any], undefined: tuple[int, ...], lower: Lower
     ) -> _Variant:
         """`values`: gm's placeholders' fake values."""
-        folded = {i for i in undefined if _foldable(values[i])}
-        unsized = [i for i in undefined if i not in folded and not _static(values[i])]
-        if unsized:  # static_outputs() keeps such graphs out: not expected
+        symbols = symbol_inputs(values)
+        folded = {i for i in undefined if _foldable(values[i], symbols)}
+        unsized = [i for i in undefined if not _sizable(values[i], symbols)]
+        if unsized:  # AOTAutograd saves a binding input for every symbol a tangent names: not expected
             raise RuntimeError(
-                f"zpp_compile: the backward got no gradient for tangent(s) {unsized} of symbolic size; "
-                "their zeros cannot be made. Give every output of the compiled model a gradient, "
-                "or compile it with dynamic=False."
+                f"zpp_compile: the backward got no gradient for tangent(s) {unsized}, whose symbolic "
+                "sizes no input of the backward binds; their zeros cannot be made. Give every output "
+                "of the compiled model a gradient, or compile it with dynamic=False."
             )
         filled = {i: values[i] for i in undefined if i not in folded}
         if not folded:
-            return cls(lower(gm, example_inputs), folded, filled)
+            return cls(lower(gm, example_inputs), folded, filled, symbols)
         kept = [v for i, v in enumerate(example_inputs) if i not in folded]
-        return cls(lower(zero_filled(gm, folded), kept), folded, filled)
+        return cls(lower(zero_filled(gm, folded), kept), folded, filled, symbols)
 
     def __call__(self, args: list[Any]) -> Any:
         for i, value in self.filled.items():
-            args[i] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device).zero_()
+            shape, stride = (_evaluated(dims, self.symbols, args) for dims in (value.shape, value.stride()))
+            args[i] = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device).zero_()
         if self.folded:
             kept = [a for i, a in enumerate(args) if i not in self.folded]
             args.clear()  # the boxed convention: the callee owns (and frees) its inputs
@@ -152,31 +161,100 @@ class _Variant:
         return self.compiled(args)
 
 
-def _static(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and has_static_geometry(value)
+def symbol_inputs(values: Sequence[Any]) -> SymbolInputs:
+    """The backward's symbol-binding inputs: SymInt placeholders whose value is a bare symbol."""
+    bound: SymbolInputs = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
+            bound.setdefault(v.node.expr, i)
+    return bound
 
 
-def _foldable(value: Any) -> bool:
-    return _static(value) and value.is_contiguous()
+def _expr(dim: Union[int, torch.SymInt]) -> sympy.Expr:
+    return dim.node.expr if isinstance(dim, torch.SymInt) else sympy.Integer(dim)
+
+
+def _sizable(value: Any, symbols: SymbolInputs) -> bool:
+    """Whether the call's symbol inputs determine `value`'s sizes and strides."""
+    dims = (*value.shape, *value.stride()) if isinstance(value, torch.Tensor) else ()
+    return all(_expr(d).free_symbols <= symbols.keys() for d in dims)
+
+
+def _foldable(value: Any, symbols: SymbolInputs) -> bool:
+    """Whether zeros of `value`'s geometry can be made inside the graph: contiguous, and each
+    size an expression the graph can compute from its symbol inputs."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    if has_static_geometry(value):
+        return value.is_contiguous()
+    contiguous = all(
+        statically_known_true(s == c)
+        for n, s, c in zip(value.shape, value.stride(), make_contiguous_strides_for(value.shape))
+        if not statically_known_true(n == 1)
+    )
+    return contiguous and all(_buildable(_expr(d), symbols) for d in value.shape)
+
+
+def _buildable(expr: sympy.Expr, symbols: SymbolInputs) -> bool:
+    """Integers, bound symbols, and sums, products and whole powers of them (what size_node makes)."""
+    if expr.is_Integer or expr in symbols:
+        return True
+    if isinstance(expr, sympy.Pow):
+        return expr.exp.is_Integer and expr.exp > 0 and _buildable(expr.base, symbols)
+    return isinstance(expr, (sympy.Add, sympy.Mul)) and all(_buildable(a, symbols) for a in expr.args)
+
+
+def _evaluated(dims: Sequence[Union[int, torch.SymInt]], symbols: SymbolInputs, args: list[Any]) -> list[int]:
+    """`dims` at this call: its symbols replaced by the values of the inputs that bind them."""
+    env = {s: sympy.Integer(int(args[i])) for s, i in symbols.items()}
+    return [d if type(d) is int else int(_expr(d).xreplace(env)) for d in dims]
+
+
+def size_node(graph: fx.Graph, expr: sympy.Expr, symbol_nodes: dict[sympy.Symbol, fx.Node]) -> Union[int, fx.Node]:
+    """`expr` (a _buildable size) computed by nodes of `graph` from its symbol placeholders."""
+    if expr.is_Integer:
+        return int(expr)
+    if expr in symbol_nodes:
+        return symbol_nodes[expr]
+    if isinstance(expr, sympy.Pow):
+        terms, combine = [expr.base] * int(expr.exp), operator.mul
+    else:
+        terms, combine = list(expr.args), operator.add if isinstance(expr, sympy.Add) else operator.mul
+    result = size_node(graph, terms[0], symbol_nodes)
+    for term in terms[1:]:
+        result = _symbolic_call(graph, combine, result, size_node(graph, term, symbol_nodes))
+    return result
+
+
+def _symbolic_call(graph: fx.Graph, fn: Callable, a: Union[int, fx.Node], b: Union[int, fx.Node]) -> fx.Node:
+    node = graph.call_function(fn, (a, b))
+    node.meta["val"] = fn(*(x.meta["val"] if isinstance(x, fx.Node) else x for x in (a, b)))
+    return node
 
 
 def zero_filled(gm: fx.GraphModule, positions: set[int]) -> fx.GraphModule:
-    """A copy of a backward graph whose placeholders at `positions` (contiguous, static tangents)
-    are replaced by zero-filled tensors made inside the graph.
+    """A copy of a backward graph whose placeholders at `positions` (contiguous tangents) are
+    replaced by zero-filled tensors made inside the graph; symbolic sizes are computed from the
+    graph's symbol placeholders.
 
     Before: tangents_2: f32[2, 128, 50257] = placeholder; add = aten.add(view_3, tangents_2)
     After:  full: f32[2, 128, 50257] = aten.full([2, 128, 50257], 0, ...); add = aten.add(view_3, full)
+    Dynamic (s0, s1 bound by the placeholders primals_1, primals_2):
+    Before: tangents_2: f32[s0, s1 + 1, 50257] = placeholder
+    After:  add_1 = primals_2 + 1; full = aten.full([primals_1, add_1, 50257], 0, ...)
     """
     graph = copy.deepcopy(gm.graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    symbol_nodes = {s: placeholders[i] for s, i in symbol_inputs([n.meta.get("val") for n in placeholders]).items()}
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
     for i in sorted(positions):
         tangent = placeholders[i]
         value = tangent.meta["val"]
         with graph.inserting_before(first_op):
+            shape = [size_node(graph, _expr(d), symbol_nodes) for d in value.shape]
             zeros = graph.call_function(
                 torch.ops.aten.full.default,  # what Inductor lowers (aten.zeros decomposes to it)
-                (list(value.shape), 0),
+                (shape, 0),
                 {"dtype": value.dtype, "device": value.device, "pin_memory": False},
             )
         zeros.meta.update(tangent.meta)

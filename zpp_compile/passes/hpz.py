@@ -24,6 +24,8 @@ so the backward dequantizes the very bytes the forward did.
 Either way `sec` is taken from the tensor the forward used, so backward values equal forward
 values, and nothing persists between steps: no stale copy to invalidate (DeepSpeed's hpZ had
 stale-copy and race bugs exactly there). The backward gather never leaves the node.
+Config.hpz_parameters limits this to the weights it names: the others' saved shards and
+backward gathers stay as before.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..codegen.quantize import payload_numel
 from .context import PassContext
 from .graph_utils import SHARD_GATHERS, aten, calls, finish, insert_call, replace_node
 from .qwz import inline_int8_gather
+from .tag_parameter_inputs import parameter_name
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ def hpz(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, ctx: PassContext) -> tuple
     rewritten = 0
     for saved in _saved_shards_regathered(bw_gm):
         marker = fw_gathers.get(saved.name)
-        if marker is None or fw_outputs.count(marker.args[0]) != 1:
+        if marker is None or fw_outputs.count(marker.args[0]) != 1 or not _covered(marker, ctx):
             continue
         index = fw_outputs.index(marker.args[0])
         with fw_gm.graph.inserting_before(marker.next):  # in order, right after the gather
@@ -74,6 +77,12 @@ def _saved_shards_regathered(bw_gm: fx.GraphModule) -> list[fx.Node]:
         for p in bw_gm.graph.nodes
         if p.op == "placeholder" and p.users and all(u.target in SHARD_GATHERS and u.args[0] is p for u in p.users)
     ]
+
+
+def _covered(marker: fx.Node, ctx: PassContext) -> bool:
+    """Whether hpZ covers the weight the forward's `marker` gathers (Config.hpz_parameters)."""
+    names = ctx.config.hpz_parameters
+    return names is None or parameter_name(marker, ctx) in names
 
 
 def _keeps_int8(marker: fx.Node, ctx: PassContext) -> bool:

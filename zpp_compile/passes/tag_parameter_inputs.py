@@ -13,6 +13,8 @@ After:   the same, with w.meta["custom"]["zpp_param_input"] = 3  (L_self_fc_weig
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.fx as fx
 
 from .context import PassContext
@@ -30,3 +32,11 @@ def tag_parameter_inputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             if source in position:
                 node.meta.setdefault("custom", {})[PARAM_INPUT] = position[source]
     return gm
+
+
+def parameter_name(marker: fx.Node, ctx: PassContext) -> Optional[str]:
+    """The name of the parameter a marker reads, in the call this graph was compiled for (a graph
+    run for several modules keeps the first one's); None where it reads no tagged input."""
+    position = marker.meta.get("custom", {}).get(PARAM_INPUT)
+    names = dict(zip(ctx.parameter_positions, ctx.parameter_names))
+    return names.get(position)
