@@ -121,6 +121,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="Config(plan='auto'): zpp_compile chooses qwZ/hpZ/buckets/prefetch (not with --qwz/--hpz/--qgz)",
     )
     zpp.add_argument("--allow-lossy", action="store_true", help="with --auto-plan: the plan may choose qgZ too")
+    zpp.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
+                     help="with --auto-plan: Config.memory_budget_bytes, in MB (10^6 bytes) per rank")  # fmt: skip
     zpp.add_argument("--plan-trial-steps", type=int, default=0, metavar="N",
                      help="with --auto-plan: time up to 3 tied candidate plans for N steps each, keep the fastest "
                           "(Config.plan_trial_steps); the plan is printed again once kept")  # fmt: skip
@@ -188,6 +190,7 @@ def zpp_config(args: argparse.Namespace) -> zpp_compile.Config:
         param_dtype=torch.bfloat16 if args.bf16 else None,
         plan="auto" if args.auto_plan else "manual",
         allow_lossy=args.allow_lossy,
+        memory_budget_bytes=None if args.memory_budget_mb is None else int(args.memory_budget_mb * 1e6),
         plan_trial_steps=args.plan_trial_steps,
         keep_whole_numel=args.keep_whole,
     )

@@ -608,7 +608,10 @@ def partial_hpz_estimates(
     """For each hpZ option over the budget: the same option with hpZ for as many of the weights the
     backward gathers first as the budget holds the secondary shards of (none where not even one
     fits). A secondary shard costs memory in proportion to what it saves on the link between
-    nodes, so which weights take it matters less than how many bytes of them the budget holds."""
+    nodes, so which weights take it matters less than how many bytes of them the budget holds.
+    None where a gathered weight has no name for Config.hpz_parameters to give."""
+    if len(facts.gather_names) != len(facts.gathers) or not all(facts.gather_names):
+        return []
     partial = []
     for e in estimates:
         if not e.option.techniques.hpz or e.fits or e.option.hpz_weights is not None:

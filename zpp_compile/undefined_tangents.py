@@ -196,7 +196,7 @@ def _foldable(value: Any, symbols: SymbolInputs) -> bool:
 
 
 def _buildable(expr: sympy.Expr, symbols: SymbolInputs) -> bool:
-    """Integers, bound symbols, and sums, products and whole powers of them (what size_node makes)."""
+    """Integers, bound symbols, and sums, products and whole powers of them (what _size_node makes)."""
     if expr.is_Integer or expr in symbols:
         return True
     if isinstance(expr, sympy.Pow):
@@ -210,7 +210,7 @@ def _evaluated(dims: Sequence[Union[int, torch.SymInt]], symbols: SymbolInputs, 
     return [d if type(d) is int else int(_expr(d).xreplace(env)) for d in dims]
 
 
-def size_node(graph: fx.Graph, expr: sympy.Expr, symbol_nodes: dict[sympy.Symbol, fx.Node]) -> Union[int, fx.Node]:
+def _size_node(graph: fx.Graph, expr: sympy.Expr, symbol_nodes: dict[sympy.Symbol, fx.Node]) -> Union[int, fx.Node]:
     """`expr` (a _buildable size) computed by nodes of `graph` from its symbol placeholders."""
     if expr.is_Integer:
         return int(expr)
@@ -220,9 +220,9 @@ def size_node(graph: fx.Graph, expr: sympy.Expr, symbol_nodes: dict[sympy.Symbol
         terms, combine = [expr.base] * int(expr.exp), operator.mul
     else:
         terms, combine = list(expr.args), operator.add if isinstance(expr, sympy.Add) else operator.mul
-    result = size_node(graph, terms[0], symbol_nodes)
+    result = _size_node(graph, terms[0], symbol_nodes)
     for term in terms[1:]:
-        result = _symbolic_call(graph, combine, result, size_node(graph, term, symbol_nodes))
+        result = _symbolic_call(graph, combine, result, _size_node(graph, term, symbol_nodes))
     return result
 
 
@@ -251,7 +251,7 @@ def zero_filled(gm: fx.GraphModule, positions: set[int]) -> fx.GraphModule:
         tangent = placeholders[i]
         value = tangent.meta["val"]
         with graph.inserting_before(first_op):
-            shape = [size_node(graph, _expr(d), symbol_nodes) for d in value.shape]
+            shape = [_size_node(graph, _expr(d), symbol_nodes) for d in value.shape]
             zeros = graph.call_function(
                 torch.ops.aten.full.default,  # what Inductor lowers (aten.zeros decomposes to it)
                 (shape, 0),
