@@ -186,7 +186,7 @@ class AutoPlan:
         """Persistent state + secondary shards + the larger phase peak of collective results."""
         return self.persistent_bytes + self.secondary_bytes + max(self.peak_collective_bytes.values(), default=0)
 
-    def note_compiled(self, phase: str, gm: fx.GraphModule, hpz_group_name: Optional[str] = None) -> None:
+    def note_compiled(self, phase: str, gm: fx.GraphModule, hpz_group_name: Optional[str]) -> None:
         # Reduce-scatter and all-reduce results are the gradient shards, counted as persistent.
         self.peak_collective_bytes[phase] = peak_collective_bytes(gm, ops=("all_gather", "all_to_all"))
         if phase == "backward" and self.config.hpz_enabled and hpz_group_name is not None:

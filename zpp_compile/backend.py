@@ -335,7 +335,7 @@ def _apply_auto_plan(ctx: passes.PassContext, state: ShardedState, gm: fx.GraphM
             gm, state, f"graph{ctx.graph_id}", training=training, block=blocks_of(ctx),
             key=(ctx.parameter_names, training),
             kept=frozenset(passes.kept_for_backward(gm.graph, ctx)) if training else frozenset(),
-            option=ctx.plan_option, name_of=functools.partial(passes.parameter_name, ctx=ctx),
+            option=ctx.plan_option, name_of=passes.parameter_names_of(ctx),
         )  # fmt: skip
     if ctx.plan_option is None:  # a trial's other candidates stand in for this plan (plan_trial.settled)
         state.auto_plans.append(plan)

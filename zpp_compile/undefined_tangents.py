@@ -89,6 +89,7 @@ class TangentVariants:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._tangents = [i for i, n in enumerate(placeholders) if n.name.startswith("tangents")]
         self._values = [n.meta.get("val") for n in placeholders]
+        self._symbols = symbol_inputs(self._values)
         self._variants: dict[tuple[int, ...], _Variant] = {}
         self._boxed_call = True
         # Lowered later, as AOTAutograd lowers a backward lazily: inside the compile's contexts.
@@ -100,7 +101,9 @@ class TangentVariants:
         variant = self._variants.get(undefined)
         if variant is None:
             with self._compiling():
-                variant = _Variant.lower(self._gm, self._values, self._example_inputs, undefined, self._lower)
+                variant = _Variant.lower(
+                    self._gm, self._values, self._symbols, self._example_inputs, undefined, self._lower
+                )
             self._variants[undefined] = variant
         return variant(args)
 
@@ -132,10 +135,15 @@ class _Variant:
 
     @classmethod
     def lower(
-        cls, gm: fx.GraphModule, values: list[Any], example_inputs: list[Any], undefined: tuple[int, ...], lower: Lower
+        cls,
+        gm: fx.GraphModule,
+        values: list[Any],
+        symbols: SymbolInputs,
+        example_inputs: list[Any],
+        undefined: tuple[int, ...],
+        lower: Lower,
     ) -> _Variant:
-        """`values`: gm's placeholders' fake values."""
-        symbols = symbol_inputs(values)
+        """`values`: gm's placeholders' fake values; `symbols`: symbol_inputs(values)."""
         folded = {i for i in undefined if _foldable(values[i], symbols)}
         unsized = [i for i in undefined if not _sizable(values[i], symbols)]
         if unsized:  # AOTAutograd saves a binding input for every symbol a tangent names: not expected
@@ -148,11 +156,12 @@ class _Variant:
         if not folded:
             return cls(lower(gm, example_inputs), folded, filled, symbols)
         kept = [v for i, v in enumerate(example_inputs) if i not in folded]
-        return cls(lower(zero_filled(gm, folded), kept), folded, filled, symbols)
+        return cls(lower(zero_filled(gm, folded, symbols), kept), folded, filled, symbols)
 
     def __call__(self, args: list[Any]) -> Any:
+        env = {s: sympy.Integer(int(args[i])) for s, i in self.symbols.items()} if self.filled else {}
         for i, value in self.filled.items():
-            shape, stride = (_evaluated(dims, self.symbols, args) for dims in (value.shape, value.stride()))
+            shape, stride = (_evaluated(dims, env) for dims in (value.shape, value.stride()))
             args[i] = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device).zero_()
         if self.folded:
             kept = [a for i, a in enumerate(args) if i not in self.folded]
@@ -187,6 +196,7 @@ def _foldable(value: Any, symbols: SymbolInputs) -> bool:
         return False
     if has_static_geometry(value):
         return value.is_contiguous()
+    # Stride by stride, statically: torch's contiguity checks would add guards on the symbols.
     contiguous = all(
         statically_known_true(s == c)
         for n, s, c in zip(value.shape, value.stride(), make_contiguous_strides_for(value.shape))
@@ -204,9 +214,9 @@ def _buildable(expr: sympy.Expr, symbols: SymbolInputs) -> bool:
     return isinstance(expr, (sympy.Add, sympy.Mul)) and all(_buildable(a, symbols) for a in expr.args)
 
 
-def _evaluated(dims: Sequence[Union[int, torch.SymInt]], symbols: SymbolInputs, args: list[Any]) -> list[int]:
-    """`dims` at this call: its symbols replaced by the values of the inputs that bind them."""
-    env = {s: sympy.Integer(int(args[i])) for s, i in symbols.items()}
+def _evaluated(dims: Sequence[Union[int, torch.SymInt]], env: dict[sympy.Symbol, sympy.Integer]) -> list[int]:
+    """`dims` at this call: its symbols replaced by their values in `env` (those of the inputs that
+    bind them)."""
     return [d if type(d) is int else int(_expr(d).xreplace(env)) for d in dims]
 
 
@@ -232,10 +242,10 @@ def _symbolic_call(graph: fx.Graph, fn: Callable, a: Union[int, fx.Node], b: Uni
     return node
 
 
-def zero_filled(gm: fx.GraphModule, positions: set[int]) -> fx.GraphModule:
+def zero_filled(gm: fx.GraphModule, positions: set[int], symbols: SymbolInputs) -> fx.GraphModule:
     """A copy of a backward graph whose placeholders at `positions` (contiguous tangents) are
     replaced by zero-filled tensors made inside the graph; symbolic sizes are computed from the
-    graph's symbol placeholders.
+    graph's symbol placeholders (`symbols`: symbol_inputs of gm's placeholders' values).
 
     Before: tangents_2: f32[2, 128, 50257] = placeholder; add = aten.add(view_3, tangents_2)
     After:  full: f32[2, 128, 50257] = aten.full([2, 128, 50257], 0, ...); add = aten.add(view_3, full)
@@ -245,7 +255,7 @@ def zero_filled(gm: fx.GraphModule, positions: set[int]) -> fx.GraphModule:
     """
     graph = copy.deepcopy(gm.graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    symbol_nodes = {s: placeholders[i] for s, i in symbol_inputs([n.meta.get("val") for n in placeholders]).items()}
+    symbol_nodes = {s: placeholders[i] for s, i in symbols.items()}
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
     for i in sorted(positions):
         tangent = placeholders[i]

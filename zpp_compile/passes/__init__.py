@@ -29,7 +29,7 @@ from .read_local_inputs import read_local_inputs
 from .recompute import check_no_gathered_weight_saved, kept_for_backward, tag_gathers_for_recompute
 from .root_large_collectives import root_large_collectives
 from .schedule_overlap import schedule_overlap
-from .tag_parameter_inputs import parameter_name, tag_parameter_inputs
+from .tag_parameter_inputs import parameter_names_of, tag_parameter_inputs
 
 GraphPass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 PartitionPass = Callable[[fx.GraphModule, fx.GraphModule, PassContext], tuple[fx.GraphModule, fx.GraphModule]]
@@ -112,7 +112,7 @@ __all__ = [
     "PartitionPass",
     "PassContext",
     "check_no_gathered_weight_saved",
-    "parameter_name",
+    "parameter_names_of",
     "compiled_whole_reason",
     "cuts_at_blocks",
     "dedupe_gathers",

@@ -20,7 +20,7 @@ import torch.fx as fx
 from ..layout import block_of_name
 from .context import PassContext
 from .graph_utils import first_symbolic_node
-from .tag_parameter_inputs import PARAM_INPUT
+from .tag_parameter_inputs import parameter_names_of
 
 
 def bucket_by_bytes(
@@ -75,5 +75,5 @@ def blocks_of(ctx: PassContext) -> Callable[[fx.Node], Optional[str]]:
     any neighbour). Worked out once per graph: bucketing asks for every collective."""
     if not cuts_at_blocks(ctx):
         return lambda node: None
-    block_at = {p: block_of_name(n) for p, n in zip(ctx.parameter_positions, ctx.parameter_names)}
-    return lambda node: block_at.get(node.meta.get("custom", {}).get(PARAM_INPUT))
+    name_of = parameter_names_of(ctx)
+    return lambda node: None if (name := name_of(node)) is None else block_of_name(name)

@@ -31,6 +31,7 @@ backward gathers stay as before.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -39,7 +40,7 @@ from ..codegen.quantize import payload_numel
 from .context import PassContext
 from .graph_utils import SHARD_GATHERS, aten, calls, finish, insert_call, replace_node
 from .qwz import inline_int8_gather
-from .tag_parameter_inputs import parameter_name
+from .tag_parameter_inputs import parameter_names_of
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,10 @@ def hpz(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, ctx: PassContext) -> tuple
     fw_gathers = {m.args[0].name: m for m in calls(fw_gm.graph, *SHARD_GATHERS) if m.args[0].op == "placeholder"}
     fw_outputs = list(fw_gm.graph.output_node().args[0])
     rewritten = 0
+    covered = _covered(ctx)
     for saved in _saved_shards_regathered(bw_gm):
         marker = fw_gathers.get(saved.name)
-        if marker is None or fw_outputs.count(marker.args[0]) != 1 or not _covered(marker, ctx):
+        if marker is None or fw_outputs.count(marker.args[0]) != 1 or not covered(marker):
             continue
         index = fw_outputs.index(marker.args[0])
         with fw_gm.graph.inserting_before(marker.next):  # in order, right after the gather
@@ -79,10 +81,13 @@ def _saved_shards_regathered(bw_gm: fx.GraphModule) -> list[fx.Node]:
     ]
 
 
-def _covered(marker: fx.Node, ctx: PassContext) -> bool:
-    """Whether hpZ covers the weight the forward's `marker` gathers (Config.hpz_parameters)."""
+def _covered(ctx: PassContext) -> Callable[[fx.Node], bool]:
+    """forward marker -> whether hpZ covers the weight it gathers (Config.hpz_parameters)."""
     names = ctx.config.hpz_parameters
-    return names is None or parameter_name(marker, ctx) in names
+    if names is None:
+        return lambda marker: True
+    name_of = parameter_names_of(ctx)
+    return lambda marker: name_of(marker) in names
 
 
 def _keeps_int8(marker: fx.Node, ctx: PassContext) -> bool:

@@ -13,7 +13,7 @@ After:   the same, with w.meta["custom"]["zpp_param_input"] = 3  (L_self_fc_weig
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.fx as fx
 
@@ -34,9 +34,8 @@ def tag_parameter_inputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     return gm
 
 
-def parameter_name(marker: fx.Node, ctx: PassContext) -> Optional[str]:
-    """The name of the parameter a marker reads, in the call this graph was compiled for (a graph
-    run for several modules keeps the first one's); None where it reads no tagged input."""
-    position = marker.meta.get("custom", {}).get(PARAM_INPUT)
+def parameter_names_of(ctx: PassContext) -> Callable[[fx.Node], Optional[str]]:
+    """marker -> the name of the parameter it reads, in the call this graph was compiled for (a
+    graph run for several modules keeps the first one's); None where it reads no tagged input."""
     names = dict(zip(ctx.parameter_positions, ctx.parameter_names))
-    return names.get(position)
+    return lambda marker: names.get(marker.meta.get("custom", {}).get(PARAM_INPUT))
