@@ -6,7 +6,9 @@ to_empty + init) and DDP, each in fresh processes, plus the theoretical sharded 
                                 [--batch 2]
 
 zeropp_full is qwZ + hpZ + qgZ on 2 simulated nodes (compiled); zeropp_dynamic, named in --configs
-only, is zeropp_compiled with dynamic shapes (torch.compile(dynamic=True)). Peak RSS is the kernel's
+only, is zeropp_compiled with dynamic shapes (torch.compile(dynamic=True)), zeropp_compiled_whole
+(likewise named) zeropp_compiled lowered whole, not region by region (Config.inductor_regions=False),
+as graphs with symbolic shapes are. Peak RSS is the kernel's
 high-water mark of each process (ru_maxrss); the table reports the largest rank's. Each config runs
 twice: with glibc malloc's defaults, and with its mmap threshold fixed at 128 KiB. By default
 glibc raises that threshold to the size of each large block freed (up to 32 MiB), after which
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import benchmark_parser, publish, run_workers, tracked  # noqa: E402
 
 CONFIGS = ("zeropp", "zeropp_compiled", "zeropp_full", "fsdp2", "ddp")
-EXTRA_CONFIGS = ("zeropp_dynamic",)  # run only when named in --configs
+EXTRA_CONFIGS = ("zeropp_dynamic", "zeropp_compiled_whole")  # run only when named in --configs
 # glibc's defaults, then its mmap threshold fixed (freed tensors leave RSS): see the docstring.
 ALLOCATORS = ({}, {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
 SEQ, BATCH, VOCAB = 128, 2, 50257
@@ -61,7 +63,7 @@ def _build_zeropp(name: str, ranks_per_node: int):
     full = name == "zeropp_full"
     config = zpp_compile.Config(
         ranks_per_node=ranks_per_node if full else None, quantize_weights=full, hpz_size=2 if full else None,
-        quantize_gradients=full,
+        quantize_gradients=full, inductor_regions=False if name == "zeropp_compiled_whole" else None,
     )  # fmt: skip
     zpp_compile.shard(model, config)
     zpp_compile.materialize(model, init=lambda m: m.init_weights())

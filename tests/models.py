@@ -357,3 +357,16 @@ def gradient_errors(sharded: nn.Module, reference: nn.Module, step: int) -> dict
             expected = local_chunk(ref.grad, shard_spec(p), dist.get_rank())
             errors[f"step {step} grad {name}"] = (local_grad(p) - expected).norm().item() / scale
     return errors
+
+
+def sharding_error(config: zpp_compile.Config) -> str:
+    """The ShardingError shard() raises for the tiny GPT under `config` ("no error" if none)."""
+    from .workers import reset_process_state
+
+    try:
+        zpp_compile.shard(build("gpt"), config)
+    except zpp_compile.ShardingError as e:
+        return str(e)
+    finally:
+        reset_process_state()
+    return "no error"

@@ -22,10 +22,14 @@ from zpp_compile.auto_plan import (
     options,
     partial_hpz_estimates,
     pick,
+    qwz_names,
     resolved_config,
+    technique_sets,
     trial_candidates,
+    with_tail_variants,
 )
 from zpp_compile.backend import compiled_graphs
+from zpp_compile.codegen.quantize import payload_numel
 from zpp_compile.cost_model import CostModel
 from zpp_compile.topology import Topology
 
@@ -209,6 +213,42 @@ def test_a_budget_short_of_every_secondary_shard_gives_hpz_to_the_weights_the_ba
     assert resolved.hpz_size == 2 and resolved.hpz_parameters == names
 
 
+# FACTS and, last in the forward, a named weight of 64K elements per rank kept gathered into the
+# backward (a tied output head).
+WITH_TAIL = dataclasses.replace(
+    FACTS, gathers=FACTS.gathers + ((65536, 4, True, True, None),),
+    gather_names=tuple(f"w{i:02d}" for i in range(24)) + ("head",),
+)  # fmt: skip
+
+
+def _weighed(topology: Topology, facts: GraphFacts) -> list[Estimate]:
+    config, cost = zpp_compile.Config(plan="auto"), _cost(0.1, 0.1)
+    sets = with_tail_variants(technique_sets(topology, config, True), facts)
+    return [estimate(Option(t, 25 * 2**20, 2), facts, topology, cost, config, 2**40) for t in sets]
+
+
+def test_qwz_leaves_the_tail_out_where_that_sends_fewer_bytes():
+    estimates = _weighed(ONE_NODE, WITH_TAIL)
+    every = next(e for e in estimates if e.option.techniques == Techniques(quantize_weights=True))
+    but_tail = next(e for e in estimates if e.option.techniques == Techniques(True, quantize_tail=False))
+    # The head is sent once, in fp32, instead of int8 in the forward and in fp32 again in the
+    # backward: the int8 payload fewer to each of the 3 peers.
+    assert every.intra_bytes - but_tail.intra_bytes == 3 * payload_numel(65536, 256) > 0
+    assert pick(estimates) is but_tail and "qwZ except the forward's tail" in but_tail.option.name
+    assert qwz_names(but_tail.option, WITH_TAIL) == WITH_TAIL.gather_names[:-1]
+    resolved = resolved_config(
+        zpp_compile.Config(plan="auto"), but_tail.option, ONE_NODE, keep_whole_numel=0,
+        qwz_parameters=qwz_names(but_tail.option, WITH_TAIL),
+    )  # fmt: skip
+    assert resolved.quantize_weights and resolved.qwz_parameters == WITH_TAIL.gather_names[:-1]
+    # Under hpZ the head's backward gather stays in the node: int8 in the forward crosses less.
+    with_hpz = pick(_weighed(TWO_NODES, WITH_TAIL)).option.techniques
+    assert with_hpz.hpz and with_hpz.quantize_weights and with_hpz.quantize_tail, with_hpz
+    # No variant where no weight is kept, or where a weight has no name to leave out by.
+    for facts in (FACTS, dataclasses.replace(WITH_TAIL, gather_names=())):
+        assert all(e.option.techniques.quantize_tail for e in _weighed(ONE_NODE, facts))
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -262,7 +302,10 @@ def _train(name: str, config: zpp_compile.Config, steps: int = 2) -> dict:
         "least_added_bytes": [
             (
                 min(e.memory_bytes for e in p.estimates if not e.option.techniques.hpz),
-                min(e.memory_bytes for e in p.estimates if e.option.techniques.hpz and e.option.hpz_weights is None),
+                min(
+                    (e.memory_bytes for e in p.estimates if e.option.techniques.hpz and e.option.hpz_weights is None),
+                    default=None,  # one node: no hpZ
+                ),
             )
             for p in plans
         ],  # fmt: skip
@@ -487,3 +530,29 @@ def test_a_budget_short_of_every_secondary_shard_compiles_hpz_for_some_weights(p
         assert covered and all(n.startswith("blocks.") for n in covered), covered
         assert max(auto["measured_bytes"]) <= r["budget"]
         assert all(torch.equal(x, y) for x, y in zip(auto["grads"][0], manual["grads"][0]))
+
+
+def qwz_but_the_tail_plan() -> dict:
+    # One node of 2 ranks on a 10 Mbit link: qwZ pays, and with no hpZ to gather the tied head
+    # again inside a node, sending it once in fp32 beats int8 in the forward plus fp32 in the
+    # backward. The slow rate also keeps the 6144-element head sharded (keep_whole_numel).
+    rates = dict(intra_node_gbps=0.01, inter_node_gbps=0.01, compute_tflops=1.0)
+    auto = _train("deep_gpt", zpp_compile.Config(ranks_per_node=2, plan="auto", lowering="aot_eager", **rates))
+    return {"auto": auto, "manual": _train("deep_gpt", auto["configs"][0])}
+
+
+def test_a_plan_leaving_the_tail_out_of_qwz_compiles_it_in_full_precision(pools):
+    for r in pools(2).run(qwz_but_the_tail_plan):
+        auto, manual = r["auto"], r["manual"]
+        ((name, inter, intra),) = auto["plans"]
+        assert name.startswith("qwZ except the forward's tail, "), name
+        config = auto["configs"][0]
+        assert config.quantize_weights and config.qwz_parameters, config
+        # Every sharded weight but the tied embedding / head, whose last read ends the forward.
+        assert "wte.weight" not in config.qwz_parameters and "wpe.weight" in config.qwz_parameters
+        assert {"blocks.5.fc.weight", "blocks.0.attn.qkv.weight"} < set(config.qwz_parameters)
+        # The estimate's bytes are those the step sends; gradients those of the Config it names.
+        assert (auto["inter"], auto["intra"]) == (inter, intra)
+        for step, (a, b) in enumerate(zip(auto["grads"], manual["grads"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: auto differs from its own Config"
+        assert "\n  qwZ, buckets" in auto["text"], auto["text"]

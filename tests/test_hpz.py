@@ -16,7 +16,7 @@ from zpp_compile.backend import compiled_graphs
 from zpp_compile.codegen.quantize import payload_numel
 from zpp_compile.passes.graph_utils import c10d
 
-from .models import batch, build, loss_of
+from .models import batch, build, loss_of, sharding_error
 from .workers import reset_process_state
 
 # Inductor's post-grad passes turn the recorded graph's views into reshapes, in place.
@@ -219,20 +219,34 @@ def test_hpz_parameters_gives_hpz_to_the_weights_it_names_only(pools):
         assert 0 < partial["bw_gather_inter"] < plain["bw_gather_inter"]
 
 
+def int8_secondary_for_some_weights() -> dict:
+    config = zpp_compile.Config(
+        ranks_per_node=2, hpz_size=2, quantize_weights=True, qwz_parameters=LAST_BLOCK, weight_block_size=64,
+        lowering="aot_eager",
+    )  # fmt: skip
+    full = _train("gpt", dataclasses.replace(config, hpz_quantized_secondary=False), 2)
+    return {"full": full, "int8": _train("gpt", config, 2)}
+
+
+def test_hpz_keeps_int8_secondaries_of_the_weights_qwz_parameters_names_only(pools):
+    """qwZ for the last block only: its weights' secondary shards are the int8 payloads the forward
+    gathered, the other weights' stay in full precision; the gradients are those of the secondary
+    kept dequantized (the same weights; rounding bound as in the int8 test above)."""
+    for result in pools(4).run(int8_secondary_for_some_weights):
+        full, int8 = result["full"], result["int8"]
+        for step, (a, b) in enumerate(zip(full["grads"], int8["grads"])):
+            diffs = [((x - y).norm() / x.norm().clamp_min(1e-30)).item() for x, y in zip(a, b)]
+            assert max(diffs) <= 1e-5, f"step {step}: int8 secondary changed a gradient: {diffs}"
+        assert int8["bw_gather_inter"] == 0 < int8["bw_gather_intra"] < full["bw_gather_intra"]
+        assert {dtype for _, _, _, dtype in full["saved_gathers"]} == {torch.float32}
+        dtypes = collections.Counter(dtype for _, _, _, dtype in int8["saved_gathers"])
+        assert dtypes == {torch.int8: len(LAST_BLOCK), torch.float32: len(full["saved_gathers"]) - len(LAST_BLOCK)}
+
+
 def test_hpz_parameters_with_a_name_the_model_lacks_is_refused(pools):
     config = zpp_compile.Config(ranks_per_node=2, hpz_size=2, hpz_parameters=("blocks.1.attn.qkv.weight", "nope"))
     for message in pools(4).run(sharding_error, config):
         assert "Config.hpz_parameters names ['nope']" in message and "named_parameters()" in message
-
-
-def sharding_error(config: zpp_compile.Config) -> str:
-    try:
-        zpp_compile.shard(build("gpt"), config)
-    except zpp_compile.ShardingError as e:
-        return str(e)
-    finally:
-        reset_process_state()
-    return "no error"
 
 
 def test_hpz_parameters_needs_hpz_and_a_tuple_of_names():

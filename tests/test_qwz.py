@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import pytest
 import torch
@@ -13,29 +14,37 @@ import zpp_compile
 from zpp_compile.codegen.quantize import payload_numel
 from zpp_compile.layout import int8_payload, shard_spec
 
-from .models import batch, build, loss_curve, quantize_dequantize_per_shard
+from .models import batch, build, loss_curve, quantize_dequantize_per_shard, sharding_error
 from .workers import reset_process_state
 
 BLOCK = 64
 
 
-def forward_matches_dequantized_reference(name: str, dtype: torch.dtype) -> float:
+def forward_matches_dequantized_reference(
+    name: str, dtype: torch.dtype, named: Optional[tuple[str, ...]] = None
+) -> tuple[float, float]:
+    """(relative error of the compiled qwZ forward against the model whose `named` weights -- all
+    when None -- are quantized and dequantized per shard, the same against every weight so)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = build(name).to(dtype)
-    reference = copy.deepcopy(model)
-    zpp_compile.shard(model, zpp_compile.Config(quantize_weights=True, weight_block_size=BLOCK))
+    reference, all_rounded = copy.deepcopy(model), copy.deepcopy(model)
+    zpp_compile.shard(model, zpp_compile.Config(quantize_weights=True, weight_block_size=BLOCK, qwz_parameters=named))
     with torch.no_grad():
-        for (_, p_ref), p in zip(reference.named_parameters(), model.parameters()):
+        for (fqn, p_ref), p_all, p in zip(reference.named_parameters(), all_rounded.parameters(), model.parameters()):
             if not shard_spec(p).replicated:  # a replicated (0-d) parameter is not gathered
-                p_ref.copy_(quantize_dequantize_per_shard(p_ref, shard_spec(p), BLOCK))
+                p_all.copy_(quantize_dequantize_per_shard(p_all, shard_spec(p), BLOCK))
+                if named is None or fqn in named:
+                    p_ref.copy_(p_all)
     x, _ = batch(name, 2 * world, 0)
     x = x.chunk(world)[rank]
     x = x if name == "gpt" else x.to(dtype)
     with torch.no_grad():
         out = torch.compile(model, backend="zeropp")(x).float()
-        expected = reference(x).float()
-    return ((out - expected).norm() / expected.norm()).item()
+        expected, every_weight_int8 = reference(x).float(), all_rounded(x).float()
+    return ((out - expected).norm() / expected.norm()).item(), (
+        (out - every_weight_int8).norm() / every_weight_int8.norm()
+    ).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -43,12 +52,27 @@ def test_compiled_forward_uses_exactly_the_dequantized_weights(pools, dtype):
     # The reference model holds each rank's shard quantized-then-dequantized: outputs agree up to
     # the rounding of the compute dtype (Inductor vs eager kernels), far below the quantization error.
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
-    errors = pools(4).run(forward_matches_dequantized_reference, "mlp", dtype)
+    errors = [error for error, _ in pools(4).run(forward_matches_dequantized_reference, "mlp", dtype)]
     assert max(errors) <= tolerance, errors
 
 
 def test_gpt_forward_uses_dequantized_weights(pools):
-    assert max(pools(2).run(forward_matches_dequantized_reference, "gpt", torch.float32)) <= 1e-5
+    assert max(error for error, _ in pools(2).run(forward_matches_dequantized_reference, "gpt", torch.float32)) <= 1e-5
+
+
+# Every weight of the tiny GPT but the tied token embedding / output head.
+BLOCK_WEIGHTS = tuple(
+    f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv.weight", "attn.proj.weight", "fc.weight", "fc_proj.weight")
+)
+
+
+def test_qwz_parameters_rounds_the_weights_it_names_only(pools):
+    """The forward equals the model with only the named weights rounded to int8 (1e-5, as above);
+    against the model with every weight rounded it is off by the head's rounding, ~1e-3 here."""
+    for named_error, every_weight_error in pools(2).run(
+        forward_matches_dequantized_reference, "gpt", torch.float32, BLOCK_WEIGHTS
+    ):
+        assert named_error <= 1e-5 < 1e-4 < every_weight_error, (named_error, every_weight_error)
 
 
 def _two_layers() -> nn.Module:
@@ -87,6 +111,31 @@ def test_forward_gather_sends_int8_plus_one_scale_per_block(pools, block, dtype)
         assert fw == payload_numel(1024, block) + payload_numel(2048, block)
         # Only the second layer's weight is re-gathered in backward (input grads), in full precision.
         assert bw == 2048 * dtype.itemsize
+
+
+def partially_quantized_gather_bytes(block: int) -> tuple[int, int]:
+    model = _two_layers()
+    zpp_compile.shard(
+        model, zpp_compile.Config(quantize_weights=True, weight_block_size=block, qwz_parameters=("2.weight",))
+    )
+    return _gather_bytes_per_peer(model)
+
+
+def test_qwz_parameters_sends_the_others_in_full_precision(pools):
+    block = 64
+    for fw, bw in pools(4).run(partially_quantized_gather_bytes, block):
+        assert fw == 1024 * 4 + payload_numel(2048, block)  # the first layer is left out: fp32
+        assert bw == 2048 * 4
+
+
+def test_qwz_parameters_needs_qwz_and_names_the_model_has(pools):
+    with pytest.raises(ValueError, match="set quantize_weights=True too"):
+        zpp_compile.Config(qwz_parameters=("fc.weight",))
+    with pytest.raises(TypeError, match="tuple of parameter names"):
+        zpp_compile.Config(quantize_weights=True, qwz_parameters=["fc.weight"])
+    config = zpp_compile.Config(quantize_weights=True, qwz_parameters=("blocks.0.fc.weight", "head.weight"))
+    for message in pools(2).run(sharding_error, config):
+        assert "Config.qwz_parameters names ['head.weight']" in message and "named_parameters()" in message
 
 
 def frozen_layer_bytes(block: int) -> tuple[int, int, torch.dtype, int, tuple]:

@@ -29,9 +29,10 @@ times are bytes / the link's measured bandwidth plus Config.collective_latency_u
              overlap = prefetch / (prefetch + 1) (0 without prefetch): deeper prefetch hides more of
              the compute-long stretches; the first gather and the last reduction hide behind nothing
 An hpZ option over the budget is weighed again with hpZ for the most weights (from the backward's
-start) whose secondary shards fit (partial_hpz_estimates; Config.hpz_parameters).
+start) whose secondary shards fit (partial_hpz_estimates; Config.hpz_parameters). Each qwZ option
+is weighed again with the forward's tail left out of qwZ (with_tail_variants; Config.qwz_parameters).
 Memory: shards + gradient shards (every graph) + hpZ secondary shards (from forward to backward) +
-the forward's tail kept gathered (Config.keep_last_weights_gathered, unless qwZ; every weight the
+the forward's tail kept gathered (Config.keep_last_weights_gathered, unless qwZ quantizes it; every weight the
 backward reads under Config.save_gathered_weights) + (prefetch + 2) buckets as received (in flight,
 in use, and a gradient bucket being reduced), one more under the hierarchical gather (its copy
 into world order).
@@ -86,10 +87,15 @@ class Techniques:
     quantize_gradients: bool = False
     hierarchical_reduce: bool = False  # lossless; qgZ's reduction is hierarchical already
     hierarchical_gather: bool = False
+    # Under qwZ, the forward's tail too (the weights kept gathered into the backward,
+    # Config.keep_last_weights_gathered). False: the tail is gathered in its dtype and kept, so the
+    # backward gathers it not again; Config.qwz_parameters names the other weights.
+    quantize_tail: bool = True
 
     @property
     def name(self) -> str:
-        parts = [("qwZ", self.quantize_weights), ("hpZ int8" if self.hpz_int8 else "hpZ", self.hpz)]
+        qwz = "qwZ" if self.quantize_tail else "qwZ except the forward's tail"
+        parts = [(qwz, self.quantize_weights), ("hpZ int8" if self.hpz_int8 else "hpZ", self.hpz)]
         parts += [("qgZ", self.quantize_gradients), ("hierarchical reduce", self.hierarchical_reduce)]
         parts.append(("hierarchical gather", self.hierarchical_gather))
         return " + ".join(n for n, on in parts if on) or "ZeRO-3"
@@ -280,7 +286,7 @@ def choose_plan(
     persistent = persistent_bytes(state)
     estimates = [
         e
-        for techniques in technique_sets(state.topology, state.config, training)
+        for techniques in with_tail_variants(technique_sets(state.topology, state.config, training), facts)
         for cap in BUCKET_CAPS
         for e in _estimates(
             techniques, cap, PREFETCH_DEPTHS, facts, state.topology, state.cost_model, state.config, budget - persistent
@@ -296,7 +302,8 @@ def choose_plan(
         chosen, candidates = next(e for e in estimates if e.option.name == kept), ()
     plan = AutoPlan(label, chosen, resolved_config(state.config, chosen.option, state.topology,
                                                    keep_whole_numel=state.keep_whole_numel,
-                                                   hpz_parameters=hpz_names(chosen.option, facts)),
+                                                   hpz_parameters=hpz_names(chosen.option, facts),
+                                                   qwz_parameters=qwz_names(chosen.option, facts)),
                     estimates, budget, persistent, describe_links(state.cost_model), key=key,
                     candidates=candidates, kept_by_earlier_trial=kept is not None)  # fmt: skip
     log.info("zpp_compile: plan of %s", plan)
@@ -314,6 +321,20 @@ def technique_sets(topology: Topology, config: Config, training: bool) -> list[T
                         for gather in (False, True) if several_nodes else (False,):
                             sets.append(Techniques(qwz, hpz, hpz_int8, qgz, reduce, gather))
     return sets
+
+
+def with_tail_variants(sets: list[Techniques], facts: GraphFacts) -> list[Techniques]:
+    """`sets`, and each with qwZ again without the forward's tail, where the graph keeps a tail
+    gathered into the backward and every gathered weight has a name for Config.qwz_parameters.
+    Under qwZ the tail is gathered again in the backward (its forward copy is rounded); left in
+    full precision it is sent once, in its dtype, and never again: fewer bytes without hpZ."""
+    if not any(kept for _, _, _, kept, _ in facts.gathers) or not _named(facts):
+        return sets
+    return sets + [dataclasses.replace(t, quantize_tail=False) for t in sets if t.quantize_weights]
+
+
+def _named(facts: GraphFacts) -> bool:
+    return len(facts.gather_names) == len(facts.gathers) and all(facts.gather_names)
 
 
 def options(topology: Topology, config: Config, training: bool) -> list[Option]:
@@ -495,18 +516,19 @@ def _links(
     links = _Links(cost, world, local, cap, hierarchical_gather=t.hierarchical_gather)
     block, gradient_block = config.weight_block_size, config.gradient_block_size
     quantized = copied = 0
-    covered = hpz_covered(t, facts, hpz_weights)
+    covered, int8 = hpz_covered(t, facts, hpz_weights), int8_gathers(t, facts)
     for i, (shard_numel, wire_size, read_in_backward, kept, block_name) in enumerate(facts.gathers):
         full = shard_numel * world
-        wire = payload_numel(shard_numel, block) if t.quantize_weights else shard_numel * wire_size
+        wire = payload_numel(shard_numel, block) if int8[i] else shard_numel * wire_size
         copied += links.all_gather("forward", wire, world, block_name)
-        quantized += (shard_numel + full) if t.quantize_weights else 0
-        if not _regathered(read_in_backward, kept, t, facts):
+        quantized += (shard_numel + full) if int8[i] else 0
+        if not _regathered(read_in_backward, kept, int8[i], facts):
             continue
         if i in covered:  # each rank keeps 1/local of the gathered payloads (int8) or of the full weight
-            part = world // local * payload_numel(shard_numel, block) if t.hpz_int8 else full // local * wire_size
+            int8_secondary = t.hpz_int8 and int8[i]
+            part = world // local * payload_numel(shard_numel, block) if int8_secondary else full // local * wire_size
             links.all_gather("backward", part, local, block_name)
-            quantized += full if t.hpz_int8 else 0
+            quantized += full if int8_secondary else 0
         else:
             copied += links.all_gather("backward", shard_numel * wire_size, world, block_name)
     for shard_numel, reduce_size, block_name in facts.reductions:
@@ -585,7 +607,8 @@ def hpz_covered(t: Techniques, facts: GraphFacts, hpz_weights: Optional[int]) ->
     the first the backward gathers."""
     if not t.hpz:
         return set()
-    again = [i for i, (_, _, read, kept, _) in enumerate(facts.gathers) if _regathered(read, kept, t, facts)]
+    int8 = int8_gathers(t, facts)
+    again = [i for i, (_, _, read, kept, _) in enumerate(facts.gathers) if _regathered(read, kept, int8[i], facts)]
     return set(again if hpz_weights is None else again[len(again) - hpz_weights :])
 
 
@@ -634,10 +657,27 @@ def _most_hpz_weights(option: Option, facts: GraphFacts, topology: Topology, con
     return low
 
 
-def _regathered(used_in_backward: bool, kept: bool, t: Techniques, facts: GraphFacts) -> bool:
-    """Whether the backward gathers a weight again: kept weights only under qwZ; none where the
-    forward's gathered weights are all saved (they are then held, qwZ's as dequantized)."""
-    return used_in_backward and not facts.saves_gathered_weights and (t.quantize_weights or not kept)
+def int8_gathers(t: Techniques, facts: GraphFacts) -> list[bool]:
+    """Per gather of `facts`, whether qwZ sends it int8: all under qwZ, but for the tail's weights
+    (every gather of a parameter the tail reads) where the techniques leave the tail out."""
+    if t.quantize_tail or not t.quantize_weights:
+        return [t.quantize_weights] * len(facts.gathers)
+    tail = {name for name, (_, _, _, kept, _) in zip(facts.gather_names, facts.gathers) if kept}
+    return [name not in tail for name in facts.gather_names]
+
+
+def qwz_names(option: Option, facts: GraphFacts) -> Optional[tuple[str, ...]]:
+    """Config.qwz_parameters for `option`: None unless it leaves the forward's tail out of qwZ."""
+    if option.techniques.quantize_tail or not option.techniques.quantize_weights:
+        return None
+    int8 = int8_gathers(option.techniques, facts)
+    return tuple(sorted({name for name, quantized in zip(facts.gather_names, int8) if quantized}))
+
+
+def _regathered(used_in_backward: bool, kept: bool, int8: bool, facts: GraphFacts) -> bool:
+    """Whether the backward gathers a weight again: kept weights only when qwZ sent them int8; none
+    where the forward's gathered weights are all saved (they are then held, qwZ's as dequantized)."""
+    return used_in_backward and not facts.saves_gathered_weights and (int8 or not kept)
 
 
 def _counted(item: tuple) -> int:  # what the bucket cap counts of a _Links entry
@@ -661,17 +701,17 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
     received (int8 under qwZ) -- in flight and in use."""
     world, local, block, t = topology.world_size, topology.ranks_per_node, config.weight_block_size, option.techniques
     forward, backward, secondary, held = [], [], 0, 0
-    covered = hpz_covered(t, facts, option.hpz_weights)
+    covered, quantized = hpz_covered(t, facts, option.hpz_weights), int8_gathers(t, facts)
     for i, (shard_numel, wire_size, read_in_backward, kept, _) in enumerate(facts.gathers):
         int8 = world * payload_numel(shard_numel, block)
         full = shard_numel * world * wire_size
-        forward.append(int8 if t.quantize_weights else full)
+        forward.append(int8 if quantized[i] else full)
         if not read_in_backward:  # (only a joint graph's gathers are)
             continue
-        if not _regathered(read_in_backward, kept, t, facts):
+        if not _regathered(read_in_backward, kept, quantized[i], facts):
             held += full  # alive from its gather in the forward until the backward has read it
             continue
-        int8_secondary = t.hpz_int8 and i in covered  # other backward gathers move the weight's dtype
+        int8_secondary = t.hpz_int8 and quantized[i] and i in covered  # others move the weight's dtype
         backward.append(int8 if int8_secondary else full)
         secondary += (int8 if int8_secondary else full) // local if i in covered else 0
     bucket = max(
@@ -791,9 +831,11 @@ def resolved_config(
     *,
     keep_whole_numel: int,
     hpz_parameters: Optional[tuple[str, ...]] = None,
+    qwz_parameters: Optional[tuple[str, ...]] = None,
 ) -> Config:
     """The manual Config the option stands for (with the threshold shard() chose, and the names of
-    the weights hpZ covers where the option gives it to some only): what the passes read."""
+    the weights hpZ covers, or qwZ quantizes, where the option gives it to some only): what the
+    passes read."""
     t = option.techniques
     feedback = config.qgz_error_feedback and t.quantize_gradients
     return dataclasses.replace(
@@ -803,6 +845,7 @@ def resolved_config(
         allow_lossy=False,
         plan_trial_steps=0,
         quantize_weights=t.quantize_weights,
+        qwz_parameters=qwz_parameters if t.quantize_weights else None,
         hpz_size=topology.ranks_per_node if t.hpz else None,
         # Without qwZ only frozen int8 weights can keep an int8 secondary: leave them that default.
         hpz_quantized_secondary=t.hpz_int8 or not (t.hpz and t.quantize_weights),

@@ -34,6 +34,7 @@ PlanMode = Literal["manual", "auto"]
 # defaults, so that no choice of the user's is silently overridden.
 PLANNED_FIELDS = (
     "quantize_weights",
+    "qwz_parameters",
     "hpz_size",
     "hpz_quantized_secondary",
     "hpz_parameters",
@@ -71,6 +72,13 @@ class Config:
         "qwZ: the compiled forward all-gathers each weight as one int8 payload (int8 blocks, then one fp32 "
         "scale per block) and dequantizes it to the parameter's dtype (`param_dtype` under mixed precision). "
         "Backward gathers stay full precision; the eager path is not quantized",
+    )
+    qwz_parameters: Optional[tuple[str, ...]] = _field(
+        None,
+        "with `quantize_weights`: the parameters (names as `named_parameters()` gives them) whose forward "
+        "gathers are int8; the others' stay in full precision (e.g. leave out a tied embedding / output head, "
+        "which take the rounding hardest). `None`: every parameter. Under hpZ, the secondary shard of a "
+        "weight left out is kept in full precision. An unknown name is refused by `shard()`",
     )
     weight_block_size: int = _field(
         256,
@@ -257,8 +265,8 @@ class Config:
         "fewer per step for them (HF GPT-2 small: 31% of the backward's all-gather bytes; its peak memory did not "
         "move, as the backward gathers them first). FSDP2 keeps its root module's parameters gathered alike. "
         "Each graph split off by a graph break, and each forward run before one backward, holds its own tail "
-        "until its backward. Not under qwZ, whose forward weights are approximate: its backward gathers them "
-        "again. `False`: the backward gathers every weight again",
+        "until its backward. Not the weights qwZ quantizes (`qwz_parameters`), whose forward copies are "
+        "approximate: the backward gathers them again. `False`: the backward gathers every weight again",
     )
     lowering: Lowering = _field(
         "inductor",
@@ -368,7 +376,10 @@ class Config:
         _require_float_dtype_or_none(self, "reduce_dtype")
         if self.hpz_size is not None:
             _require_int(self, "hpz_size", minimum=1)
-        _check_hpz_parameters(self)
+        _check_parameter_names(self, "hpz_parameters", "hpZ covers", self.hpz_enabled, "set hpz_size too")
+        _check_parameter_names(
+            self, "qwz_parameters", "qwZ quantizes", self.quantize_weights, "set quantize_weights=True too"
+        )
         if self.ranks_per_node is not None:
             _require_int(self, "ranks_per_node", minimum=1)
         if self.lowering not in ("inductor", "aot_eager"):
@@ -414,6 +425,11 @@ class Config:
     def hpz_enabled(self) -> bool:
         return self.hpz_size is not None and self.hpz_size > 1
 
+    def quantizes_weight(self, name: Optional[str]) -> bool:
+        """Whether qwZ gathers the parameter `name` as int8 in the forward (Config.qwz_parameters).
+        None (a gather of no named parameter) counts as named only when every parameter is."""
+        return self.quantize_weights and (self.qwz_parameters is None or name in self.qwz_parameters)
+
     @property
     def checked_runs(self) -> Union[bool, int]:
         """check_schedule, or True when the environment asks for every run (ZPP_CHECK_SCHEDULE=1)."""
@@ -425,17 +441,18 @@ class Config:
         return os.fspath(self.dump_graphs_dir) if self.dump_graphs_dir else os.environ.get("ZPP_DUMP_GRAPHS") or None
 
 
-def _check_hpz_parameters(config: Config) -> None:
-    names = config.hpz_parameters
+def _check_parameter_names(config: Config, field: str, chooses: str, enabled: bool, fix: str) -> None:
+    """hpz_parameters / qwz_parameters: None, or a tuple of names, for a technique that is on."""
+    names = getattr(config, field)
     if names is None:
         return
     if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
         raise TypeError(
-            f"Config.hpz_parameters must be a tuple of parameter names (str), got {names!r}; "
-            "e.g. hpz_parameters=tuple(name for name, _ in model.named_parameters() if 'h.11.' in name)."
+            f"Config.{field} must be a tuple of parameter names (str), got {names!r}; "
+            f"e.g. {field}=tuple(name for name, _ in model.named_parameters() if 'h.11.' in name)."
         )
-    if not config.hpz_enabled and not config.auto_plan:
-        raise ValueError("Config.hpz_parameters chooses which weights hpZ covers: set hpz_size too, or remove it.")
+    if not enabled and not config.auto_plan:
+        raise ValueError(f"Config.{field} chooses which weights {chooses}: {fix}, or remove it.")
 
 
 def _check_plan_fields(config: Config) -> None:

@@ -67,13 +67,15 @@ __all__ = [
 _PLAN_IDS = itertools.count()
 
 
-def _check_hpz_parameters(config: Config, specs: dict[str, ShardSpec]) -> None:
-    unknown = sorted(set(config.hpz_parameters or ()) - specs.keys())
-    if unknown:
-        raise ShardingError(
-            f"Config.hpz_parameters names {unknown}, which the model has no parameter called; use the names "
-            f"model.named_parameters() gives (e.g. {next(iter(specs), '')!r})."
-        )
+def _check_parameter_names(config: Config, specs: dict[str, ShardSpec]) -> None:
+    """Config.hpz_parameters and qwz_parameters name parameters of this model only."""
+    for field in ("hpz_parameters", "qwz_parameters"):
+        unknown = sorted(set(getattr(config, field) or ()) - specs.keys())
+        if unknown:
+            raise ShardingError(
+                f"Config.{field} names {unknown}, which the model has no parameter called; use the names "
+                f"model.named_parameters() gives (e.g. {next(iter(specs), '')!r})."
+            )
 
 
 def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_states: bool = True) -> nn.Module:
@@ -113,7 +115,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     )
     specs = _specs_by_parameter(model, topology, config, state.plan_id)
     state.specs = {spec.fqn: spec for spec in specs.values()}
-    _check_hpz_parameters(config, state.specs)
+    _check_parameter_names(config, state.specs)
     if config.auto_plan:  # before any parameter is replaced: a refused budget leaves the model as it was
         settle_budget(state, device)
         state.keep_whole_numel = choose_keep_whole_numel(state)
@@ -590,7 +592,8 @@ def _sharded_attribute(name: str) -> property:
 def _tail_role(param: Tensor) -> Optional[str]:
     """What regather's forward tail makes of this weight (Config.keep_last_weights_gathered)."""
     state, spec = param._zpp_state, param._zpp_spec
-    if not state.config.keep_last_weights_gathered or state.config.quantize_weights or spec.replicated:
+    config = state.config
+    if not config.keep_last_weights_gathered or config.quantizes_weight(spec.fqn) or spec.replicated:
         return None  # a replicated parameter is a local copy: nothing to gather again
     if not state.has_blocks:
         return "last"

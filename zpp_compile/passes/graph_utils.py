@@ -236,13 +236,19 @@ def deferred_recompile() -> Iterator[None]:
 
 
 def rewrite_calls(
-    gm: fx.GraphModule, target: Any, rewrite: Callable[[fx.Graph, fx.Node], fx.Node], pass_name: str, label: str
+    gm: fx.GraphModule,
+    target: Any,
+    rewrite: Callable[[fx.Graph, fx.Node], fx.Node],
+    pass_name: str,
+    label: str,
+    where: Callable[[fx.Node], bool] = lambda node: True,
 ) -> fx.GraphModule:
-    """Replace every call of `target` by the subgraph `rewrite(graph, node)` builds in its place.
+    """Replace every call of `target` (for which `where` holds) by the subgraph `rewrite(graph, node)`
+    builds in its place.
 
     Returns `gm` untouched (and says so at debug level) when there is no such call.
     """
-    nodes = list(calls(gm.graph, target))
+    nodes = [node for node in calls(gm.graph, target) if where(node)]
     if not nodes:
         logging.getLogger(__name__).debug("%s: %s has no %s; graph unchanged", pass_name, label, target)
         return gm

@@ -14,7 +14,8 @@ After, full-precision secondary (qwZ off):
     bw:  sec (input) -> w = zpp.gather_param(sec, numel, shape, W*S/K, K, hpz_group, fqn=...)
     (Under mixed precision w, and so sec, are in param_dtype: the backward gather needs no cast.)
 
-After, int8 secondary (qwZ on, or a frozen weight stored int8; Config.hpz_quantized_secondary):
+After, int8 secondary (a weight qwZ quantizes -- Config.qwz_parameters -- or a frozen weight stored
+int8; Config.hpz_quantized_secondary):
     fw:  payload = quantize_packed(shard); g = wait(all_gather(payload))     (qwZ, inlined here)
          w = dequantize_packed(g)...;  sec = owned_slot(g, K, hpz_group)  [k*W/K payloads : (k+1)*W/K payloads]
     bw:  sec (input) -> w = zpp.gather_quantized_param(sec, numel, shape, S, block, dtype, K, hpz_group)
@@ -39,7 +40,7 @@ import torch.fx as fx
 from ..codegen.quantize import payload_numel
 from .context import PassContext
 from .graph_utils import SHARD_GATHERS, aten, calls, finish, insert_call, replace_node
-from .qwz import inline_int8_gather
+from .qwz import inline_int8_gather, quantized
 from .tag_parameter_inputs import parameter_names_of
 
 log = logging.getLogger(__name__)
@@ -52,14 +53,14 @@ def hpz(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, ctx: PassContext) -> tuple
     fw_gathers = {m.args[0].name: m for m in calls(fw_gm.graph, *SHARD_GATHERS) if m.args[0].op == "placeholder"}
     fw_outputs = list(fw_gm.graph.output_node().args[0])
     rewritten = 0
-    covered = _covered(ctx)
+    covered, int8 = _covered(ctx), quantized(ctx)
     for saved in _saved_shards_regathered(bw_gm):
         marker = fw_gathers.get(saved.name)
         if marker is None or fw_outputs.count(marker.args[0]) != 1 or not covered(marker):
             continue
         index = fw_outputs.index(marker.args[0])
         with fw_gm.graph.inserting_before(marker.next):  # in order, right after the gather
-            if _keeps_int8(marker, ctx):
+            if _keeps_int8(marker, ctx, int8):
                 fw_outputs[index], backward_gather = _int8_secondary(fw_gm.graph, marker, ctx)
             else:
                 fw_outputs[index], backward_gather = _full_precision_secondary(fw_gm.graph, marker, ctx)
@@ -90,10 +91,10 @@ def _covered(ctx: PassContext) -> Callable[[fx.Node], bool]:
     return lambda marker: name_of(marker) in names
 
 
-def _keeps_int8(marker: fx.Node, ctx: PassContext) -> bool:
+def _keeps_int8(marker: fx.Node, ctx: PassContext, quantized: Callable[[fx.Node], bool]) -> bool:
     if not ctx.config.hpz_quantized_secondary:
         return False
-    return marker.target == torch.ops.zpp.gather_quantized_param.default or ctx.config.quantize_weights
+    return marker.target == torch.ops.zpp.gather_quantized_param.default or quantized(marker)
 
 
 def _full_precision_secondary(graph: fx.Graph, marker: fx.Node, ctx: PassContext) -> tuple[fx.Node, tuple]:

@@ -1,7 +1,8 @@
 """qwz: quantized weight all-gather in the forward (ZeRO++ qwZ).
 
 Runs on the partitioned forward (and inference) graph, before lower_gather; backward gathers are
-left to lower_gather and stay full precision.
+left to lower_gather and stay full precision, as are the forward gathers of the weights that
+Config.qwz_parameters leaves out.
 Before:  w = zpp.gather_param(local, numel, shape, shard_numel, group_size, group_name)
 After:   shard = pad(local.view(-1), shard_numel)     this rank's part as every rank sends it
          payload = quantize_packed(shard)            int8 blocks + fp32 scales in one buffer
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -27,6 +29,7 @@ from ..codegen.quantize import weight_from_payloads
 from ..codegen.registry import QuantKernels, quant_kernels
 from .context import PassContext
 from .graph_utils import inline_traced, rewrite_calls, tag_collectives
+from .tag_parameter_inputs import parameter_names_of
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,15 @@ def qwz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     rewrite = functools.partial(
         _quantized_gather, block=ctx.config.weight_block_size, decompositions=ctx.decompositions
     )
-    return rewrite_calls(gm, torch.ops.zpp.gather_param.default, rewrite, "qwz", ctx.label)
+    return rewrite_calls(gm, torch.ops.zpp.gather_param.default, rewrite, "qwz", ctx.label, where=quantized(ctx))
+
+
+def quantized(ctx: PassContext) -> Callable[[fx.Node], bool]:
+    """gather_param marker -> whether qwZ gathers its weight as int8 (Config.qwz_parameters)."""
+    if ctx.config.qwz_parameters is None:
+        return lambda marker: ctx.config.quantize_weights
+    name_of = parameter_names_of(ctx)
+    return lambda marker: ctx.config.quantizes_weight(name_of(marker))
 
 
 def quantized_all_gather(

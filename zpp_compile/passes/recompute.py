@@ -53,10 +53,11 @@ def kept_for_backward(graph: fx.Graph, ctx: PassContext) -> set[fx.Node]:
     (Config.keep_last_weights_gathered): going back from the forward's last read, the weights
     outside any repeated block (output head, final norm, a tied embedding), up to the first one
     inside a block; in a graph without repeated blocks, the last weight read alone. Only weights
-    the backward reads; none under qwZ (its forward weights are approximate) or where every
-    gathered weight is saved anyway."""
+    the backward reads; none that qwZ gathers (its forward weights are approximate: all of them
+    unless Config.qwz_parameters names some) or where every gathered weight is saved anyway."""
     config = ctx.config
-    if not config.keep_last_weights_gathered or config.quantize_weights or config.save_gathered_weights:
+    every_weight_int8 = config.quantize_weights and config.qwz_parameters is None
+    if not config.keep_last_weights_gathered or every_weight_int8 or config.save_gathered_weights:
         return set()
     backward = backward_nodes(graph)
     position = {node: i for i, node in enumerate(graph.nodes)}
@@ -73,7 +74,8 @@ def kept_for_backward(graph: fx.Graph, ctx: PassContext) -> set[fx.Node]:
         name = name_at.get(gather.meta.get("custom", {}).get(PARAM_INPUT))
         if name is None or block_of_name(name):  # unnamed: never assume it lies outside the blocks
             break
-        kept.add(gather)
+        if not config.quantizes_weight(name):
+            kept.add(gather)
         if not has_blocks:
             break
     return kept
