@@ -334,6 +334,7 @@ def with_tail_variants(sets: list[Techniques], facts: GraphFacts) -> list[Techni
 
 
 def _named(facts: GraphFacts) -> bool:
+    """Whether every gathered weight has a name (what Config.hpz_parameters / qwz_parameters give)."""
     return len(facts.gather_names) == len(facts.gathers) and all(facts.gather_names)
 
 
@@ -633,7 +634,7 @@ def partial_hpz_estimates(
     fits). A secondary shard costs memory in proportion to what it saves on the link between
     nodes, so which weights take it matters less than how many bytes of them the budget holds.
     None where a gathered weight has no name for Config.hpz_parameters to give."""
-    if len(facts.gather_names) != len(facts.gathers) or not all(facts.gather_names):
+    if not _named(facts):
         return []
     partial = []
     for e in estimates:
