@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch._prims_common import make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
+from torch.utils._sympy.functions import FloorDiv, Max, Min, PowByNatural
 
 from .passes.graph_utils import has_static_geometry
 
@@ -205,13 +206,28 @@ def _foldable(value: Any, symbols: SymbolInputs) -> bool:
     return contiguous and all(_buildable(_expr(d), symbols) for d in value.shape)
 
 
+# Size arithmetic _size_node rebuilds from the symbol inputs, by the Python operation on SymInts
+# that gives it. FloorDiv: Dynamo's duck sizing gives equal sizes one symbol, and a view of their
+# product then reads ((s0**2)//s0) (a square batch of tokens, HF models' logits).
+_COMBINE: dict[type, Callable] = {
+    sympy.Add: operator.add,
+    sympy.Mul: operator.mul,
+    FloorDiv: operator.floordiv,
+    Max: torch.sym_max,
+    Min: torch.sym_min,
+}
+_POWERS = (sympy.Pow, PowByNatural)
+
+
 def _buildable(expr: sympy.Expr, symbols: SymbolInputs) -> bool:
-    """Integers, bound symbols, and sums, products and whole powers of them (what _size_node makes)."""
+    """Integers, bound symbols, and sums, products, whole powers, floor divisions, maxima and
+    minima of them (what _size_node makes)."""
     if expr.is_Integer or expr in symbols:
         return True
-    if isinstance(expr, sympy.Pow):
-        return expr.exp.is_Integer and expr.exp > 0 and _buildable(expr.base, symbols)
-    return isinstance(expr, (sympy.Add, sympy.Mul)) and all(_buildable(a, symbols) for a in expr.args)
+    if isinstance(expr, _POWERS):
+        base, exponent = expr.args
+        return exponent.is_Integer and exponent > 0 and _buildable(base, symbols)
+    return type(expr) in _COMBINE and all(_buildable(a, symbols) for a in expr.args)
 
 
 def _evaluated(dims: Sequence[Union[int, torch.SymInt]], env: dict[sympy.Symbol, sympy.Integer]) -> list[int]:
@@ -226,10 +242,11 @@ def _size_node(graph: fx.Graph, expr: sympy.Expr, symbol_nodes: dict[sympy.Symbo
         return int(expr)
     if expr in symbol_nodes:
         return symbol_nodes[expr]
-    if isinstance(expr, sympy.Pow):
-        terms, combine = [expr.base] * int(expr.exp), operator.mul
-    else:
-        terms, combine = list(expr.args), operator.add if isinstance(expr, sympy.Add) else operator.mul
+    if isinstance(expr, _POWERS):
+        base, exponent = expr.args
+        terms, combine = [base] * int(exponent), operator.mul
+    else:  # in argument order: a floor division's are (dividend, divisor)
+        terms, combine = list(expr.args), _COMBINE[type(expr)]
     result = _size_node(graph, terms[0], symbol_nodes)
     for term in terms[1:]:
         result = _symbolic_call(graph, combine, result, _size_node(graph, term, symbol_nodes))
