@@ -78,7 +78,8 @@ class Config:
         "with `quantize_weights`: the parameters (names as `named_parameters()` gives them) whose forward "
         "gathers are int8; the others' stay in full precision (e.g. leave out a tied embedding / output head, "
         "which take the rounding hardest). `None`: every parameter. Under hpZ, the secondary shard of a "
-        "weight left out is kept in full precision. An unknown name is refused by `shard()`",
+        'weight left out is kept in full precision. `plan="auto"` sets it when it leaves the forward\'s tail '
+        "(the weights kept gathered into the backward) out of qwZ. An unknown name is refused by `shard()`",
     )
     weight_block_size: int = _field(
         256,

@@ -91,10 +91,10 @@ def _covered(ctx: PassContext) -> Callable[[fx.Node], bool]:
     return lambda marker: name_of(marker) in names
 
 
-def _keeps_int8(marker: fx.Node, ctx: PassContext, quantized: Callable[[fx.Node], bool]) -> bool:
+def _keeps_int8(marker: fx.Node, ctx: PassContext, gathered_int8: Callable[[fx.Node], bool]) -> bool:
     if not ctx.config.hpz_quantized_secondary:
         return False
-    return marker.target == torch.ops.zpp.gather_quantized_param.default or quantized(marker)
+    return marker.target == torch.ops.zpp.gather_quantized_param.default or gathered_int8(marker)
 
 
 def _full_precision_secondary(graph: fx.Graph, marker: fx.Node, ctx: PassContext) -> tuple[fx.Node, tuple]:
