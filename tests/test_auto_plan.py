@@ -255,6 +255,7 @@ def test_qwz_leaves_the_tail_out_where_that_sends_fewer_bytes():
         (dict(plan="auto", quantize_weights=True), "chooses quantize_weights itself"),
         (dict(plan="auto", hpz_size=2, prefetch_limit=1), "chooses hpz_size, prefetch_limit itself"),
         (dict(plan="auto", hpz_parameters=("fc.weight",)), "chooses hpz_parameters itself"),
+        (dict(plan="auto", qwz_parameters=("fc.weight",)), "chooses qwz_parameters itself"),
         (dict(memory_budget_bytes=2**30), "read by the automatic plan only; add plan='auto'"),
         (dict(allow_lossy=True), "read by the automatic plan only"),
         (dict(plan="fast"), "not a plan mode"),
