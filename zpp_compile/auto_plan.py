@@ -517,7 +517,8 @@ def _links(
     links = _Links(cost, world, local, cap, hierarchical_gather=t.hierarchical_gather)
     block, gradient_block = config.weight_block_size, config.gradient_block_size
     quantized = copied = 0
-    covered, int8 = hpz_covered(t, facts, hpz_weights), int8_gathers(t, facts)
+    int8 = int8_gathers(t, facts)
+    covered = hpz_covered(t, facts, hpz_weights, int8)
     for i, (shard_numel, wire_size, read_in_backward, kept, block_name) in enumerate(facts.gathers):
         full = shard_numel * world
         wire = payload_numel(shard_numel, block) if int8[i] else shard_numel * wire_size
@@ -602,13 +603,15 @@ class _Links:
         return max(self.cost.collective_seconds(intra, False), self.cost.collective_seconds(inter, True))
 
 
-def hpz_covered(t: Techniques, facts: GraphFacts, hpz_weights: Optional[int]) -> set[int]:
+def hpz_covered(
+    t: Techniques, facts: GraphFacts, hpz_weights: Optional[int], int8: Optional[list[bool]] = None
+) -> set[int]:
     """The gathers (indices into facts.gathers) whose weights the backward gathers again from hpZ's
     secondary shards: every one gathered again, or the last `hpz_weights` of them in graph order,
-    the first the backward gathers."""
+    the first the backward gathers. `int8`: int8_gathers(t, facts), where the caller has it."""
     if not t.hpz:
         return set()
-    int8 = int8_gathers(t, facts)
+    int8 = int8_gathers(t, facts) if int8 is None else int8
     again = [i for i, (_, _, read, kept, _) in enumerate(facts.gathers) if _regathered(read, kept, int8[i], facts)]
     return set(again if hpz_weights is None else again[len(again) - hpz_weights :])
 
@@ -702,7 +705,8 @@ def _plan_memory(option: Option, facts: GraphFacts, topology: Topology, config: 
     received (int8 under qwZ) -- in flight and in use."""
     world, local, block, t = topology.world_size, topology.ranks_per_node, config.weight_block_size, option.techniques
     forward, backward, secondary, held = [], [], 0, 0
-    covered, quantized = hpz_covered(t, facts, option.hpz_weights), int8_gathers(t, facts)
+    quantized = int8_gathers(t, facts)
+    covered = hpz_covered(t, facts, option.hpz_weights, quantized)
     for i, (shard_numel, wire_size, read_in_backward, kept, _) in enumerate(facts.gathers):
         int8 = world * payload_numel(shard_numel, block)
         full = shard_numel * world * wire_size

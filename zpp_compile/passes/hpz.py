@@ -84,11 +84,8 @@ def _saved_shards_regathered(bw_gm: fx.GraphModule) -> list[fx.Node]:
 
 def _covered(ctx: PassContext) -> Callable[[fx.Node], bool]:
     """forward marker -> whether hpZ covers the weight it gathers (Config.hpz_parameters)."""
-    names = ctx.config.hpz_parameters
-    if names is None:
-        return lambda marker: True
-    name_of = parameter_names_of(ctx)
-    return lambda marker: name_of(marker) in names
+    names, name_of = ctx.config.hpz_parameters, parameter_names_of(ctx)
+    return lambda marker: names is None or name_of(marker) in names
 
 
 def _keeps_int8(marker: fx.Node, ctx: PassContext, gathered_int8: Callable[[fx.Node], bool]) -> bool:

@@ -46,8 +46,6 @@ def qwz(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def quantized(ctx: PassContext) -> Callable[[fx.Node], bool]:
     """gather_param marker -> whether qwZ gathers its weight as int8 (Config.qwz_parameters)."""
-    if ctx.config.qwz_parameters is None:
-        return lambda marker: ctx.config.quantize_weights
     name_of = parameter_names_of(ctx)
     return lambda marker: ctx.config.quantizes_weight(name_of(marker))
 
