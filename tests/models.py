@@ -165,12 +165,12 @@ class BatchNormNet(ConvNet):
         return self.head(h.mean(dim=(2, 3)))
 
 
-def hf_gpt2(dropout: float = 0.0, vocab: int = 64, width: int = 32) -> nn.Module:
+def hf_gpt2(dropout: float = 0.0, vocab: int = 64, width: int = 32, layers: int = 2) -> nn.Module:
     """A tiny Hugging Face GPT-2 from a config (nothing downloaded); GPT-2's default dropout is 0.1."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=vocab, n_positions=32, n_embd=width, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab, n_positions=32, n_embd=width, n_layer=layers, n_head=2, bos_token_id=0, eos_token_id=0,
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
     )  # fmt: skip
     return GPT2LMHeadModel(config)

@@ -318,7 +318,7 @@ def _partition_sharded(
     if ctx.config.save_gathered_weights:  # keep the gathered weights: no recompute tags
         joint_passes = [p for p in joint_passes if p is not passes.tag_gathers_for_recompute]
     joint_gm = passes.run_passes(joint_gm, joint_ctx, joint_passes)
-    with ctx.stage_seconds.timed("joint/min_cut_partition"):
+    with ctx.stage_seconds.timed("joint/min_cut_partition"), passes.partition_without_cse():
         fw_gm, bw_gm = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
     with ctx.stage_seconds.timed("joint/check_no_gathered_weight_saved"):
         passes.check_no_gathered_weight_saved(fw_gm, bw_gm, joint_ctx)

@@ -18,6 +18,7 @@ from .graph_utils import deferred_recompile
 from .hierarchical_gather import hierarchical_gather
 from .hierarchical_reduce import hierarchical_reduce
 from .hpz import hpz
+from .localize_constant_scalars import localize_constant_scalars, partition_without_cse
 from .lower_gather import lower_gather
 from .lower_quantized_gather import lower_quantized_gather
 from .lower_reduce import lower_reduce
@@ -37,7 +38,7 @@ PartitionPass = Callable[[fx.GraphModule, fx.GraphModule, PassContext], tuple[fx
 # On the Dynamo graph, before AOTAutograd (changes what the backward computes).
 PRE_AUTOGRAD_PASSES: list[GraphPass] = [dedupe_gathers, tag_parameter_inputs]
 # On the joint graph, before partitioning (changes what the forward saves).
-JOINT_PASSES: list[GraphPass] = [read_local_inputs, tag_gathers_for_recompute]
+JOINT_PASSES: list[GraphPass] = [read_local_inputs, tag_gathers_for_recompute, localize_constant_scalars]
 # On the forward and backward graphs together, right after partitioning (changes what is saved).
 PARTITION_PASSES: list[PartitionPass] = [hpz, order_saved_values]
 # On the partitioned graphs, before lowering to Inductor.
@@ -118,6 +119,8 @@ __all__ = [
     "dedupe_gathers",
     "fold_scatter_grads",
     "hierarchical_gather",
+    "localize_constant_scalars",
+    "partition_without_cse",
     "hierarchical_reduce",
     "hpz",
     "kept_for_backward",
