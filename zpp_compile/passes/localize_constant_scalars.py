@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Iterator
 
 import torch
@@ -86,7 +87,8 @@ def _constant_scalars(graph: fx.Graph) -> dict[fx.Node, None]:
 
 def _is_scalar_tensor(node: fx.Node) -> bool:
     val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.numel() == 1
+    # Static sizes only: comparing a symbolic numel would add a guard on the shapes.
+    return isinstance(val, torch.Tensor) and all(type(s) is int for s in val.shape) and math.prod(val.shape) == 1
 
 
 def _shared(constant: dict[fx.Node, None]) -> set[fx.Node]:
