@@ -47,12 +47,13 @@ def localize_constant_scalars(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
         gm.graph = fx_graph_cse(gm.graph)
     constant = _constant_scalars(gm.graph)
     shared = _shared(constant)
-    readers = [n for n in gm.graph.nodes if n not in constant and any(a in shared for a in n.all_input_nodes)]
-    if not readers:
+    heads_of = {n: [a for a in n.all_input_nodes if a in shared] for n in gm.graph.nodes if n not in constant}
+    heads_of = {reader: heads for reader, heads in heads_of.items() if heads}
+    if not heads_of:
         log.debug("localize_constant_scalars: %s shares no constant scalar; only eliminated", ctx.label)
         return finish(gm)
-    for reader in readers:
-        _copy_chains_before(reader, [a for a in reader.all_input_nodes if a in shared], constant)
+    for reader, heads in heads_of.items():
+        _copy_chains_before(reader, heads, constant)
     for node in reversed(constant):
         if not node.users and node.op != "placeholder":
             gm.graph.erase_node(node)
