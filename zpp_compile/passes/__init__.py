@@ -30,6 +30,7 @@ from .read_local_inputs import read_local_inputs
 from .recompute import check_no_gathered_weight_saved, kept_for_backward, tag_gathers_for_recompute
 from .root_large_collectives import root_large_collectives
 from .schedule_overlap import schedule_overlap
+from .sink_large_results import sink_large_results
 from .tag_parameter_inputs import parameter_names_of, tag_parameter_inputs
 
 GraphPass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
@@ -63,6 +64,7 @@ BACKWARD_PASSES: list[GraphPass] = [
     qgz,
     hierarchical_reduce,
     lower_reduce,
+    sink_large_results,  # before scheduling: the overlap places the collectives around its order
     *SCHEDULING_PASSES,
     fold_scatter_grads,  # after scheduling: it writes in place, which their data dependences miss
     root_large_collectives,
@@ -105,6 +107,7 @@ __all__ = [
     "SCHEDULING_PASSES",
     "bucket_collectives",
     "schedule_overlap",
+    "sink_large_results",
     "FORWARD_PASSES",
     "JOINT_PASSES",
     "PRE_AUTOGRAD_PASSES",
