@@ -40,6 +40,19 @@ def test_the_weight_gradient_is_made_after_the_weight_it_does_not_read_dies(grou
     assert all(torch.equal(a, b) for a, b in zip(after, before))
 
 
+def test_an_input_larger_than_the_result_that_dies_at_the_new_place_does_not_stop_the_move(group_of_one):
+    # The logits' gradient of a large batch: dY (32 MiB) is larger than dW (16 MiB), but dX reads
+    # it last, so making dW right after dX keeps dY alive no longer than before.
+    dy, x = torch.randn(2048, ROWS), torch.randn(2048, 1024)
+    w8 = _inputs()[2]
+    gm = trace(_linear_backward, dy, x, w8)
+    (dw_mm, dx_mm) = [n for n in gm.graph.nodes if n.target == aten.mm.default]
+    before = gm(dy, x, w8)
+    gm = sink_large_results(gm, context(group_of_one, phase="backward"))
+    assert dx_mm.next is dw_mm
+    assert all(torch.equal(a, b) for a, b in zip(gm(dy, x, w8), before))
+
+
 def test_a_result_whose_move_would_keep_larger_inputs_alive_stays(group_of_one):
     def reads_a_larger_input_last(dy, x, w8, wide):
         half = wide[:, :1024] * 2  # 16 MiB made from a 32 MiB input read for the last time here

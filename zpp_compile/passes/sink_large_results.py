@@ -13,8 +13,8 @@ After:   w8 = all_gather(shard) ; W = dequantize(wait(w8)) ; dX = mm(dY, W) ; dW
 
 A node N of LARGE_BYTES or more moves down to just after the last node M, before N's first
 reader, at which a value of LARGE_BYTES or more (not N's input) is last read. It moves only as far
-as the inputs whose lifetime the move extends (those that would die before M) take no more bytes
-than N's result nor than that value: memory then falls between N's old place and M and rises
+as the inputs whose lifetime the move extends (those that would die before M, not at M) take no
+more bytes than N's result nor than that value: memory then falls between N's old place and M and rises
 nowhere. On GPT-2 the head's gradient moves to the end of the backward, past the last large
 temporaries, and the logits' gradient it reads (a third of its size) lives until then instead.
 N is a pure op returning a tensor of its own, not a random draw (they draw in program order),
@@ -80,8 +80,9 @@ def _sink(node: fx.Node) -> int:
     for later in _between(node, first_read, order):
         if _writes_or_hides(later):
             break
-        # Inputs that would die before node's new place live until it instead.
-        extended = sum(_storage_bytes(i) for i in inputs if death[i] <= order[later])
+        # Inputs that would die before node's new place live until it instead; one read last by
+        # `later` itself is alive there anyway.
+        extended = sum(_storage_bytes(i) for i in inputs if death[i] < order[later])
         if extended > _bytes(node):
             break
         dying = {_root(v) for v in later.all_input_nodes} - inputs
