@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from ..cost_model import returns_alias
+from .buckets import tensor_bytes
 from .context import PassContext
 from .graph_utils import COLLECTIVE_STARTS, finish, has_static_geometry, is_random
 
@@ -46,8 +47,12 @@ LARGE_BYTES = 16 * 2**20
 
 def sink_large_results(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     moved = 0
-    for node in [n for n in gm.graph.nodes if _is_movable(n)]:
-        moved += _sink(node)
+    movable = [n for n in gm.graph.nodes if _is_movable(n)]
+    order, death = _liveness(gm.graph) if movable else ({}, {})
+    for node in movable:
+        if _sink(node, order, death):
+            moved += 1
+            order, death = _liveness(gm.graph)  # only a move changes them
     if not moved:
         log.debug("sink_large_results: %s: no large result to make later; graph unchanged", ctx.label)
         return gm
@@ -68,13 +73,11 @@ def _is_movable(node: fx.Node) -> bool:
     )
 
 
-def _sink(node: fx.Node) -> int:
-    """Move `node` down past the last large value that dies before its first reader; 1 if moved."""
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
+def _sink(node: fx.Node, order: dict[fx.Node, int], death: dict[fx.Node, int]) -> bool:
+    """Move `node` down past the last large value that dies before its first reader."""
     if not node.users:
-        return 0
+        return False
     first_read = min(order[u] for u in node.users)
-    death = _deaths(node.graph, order)
     inputs = {_root(i) for i in node.all_input_nodes}
     target: Optional[fx.Node] = None
     for later in _between(node, first_read, order):
@@ -89,9 +92,9 @@ def _sink(node: fx.Node) -> int:
         if any(death[v] == order[later] and _storage_bytes(v) >= max(LARGE_BYTES, extended) for v in dying):
             target = later
     if target is None:
-        return 0
+        return False
     target.append(node)
-    return 1
+    return True
 
 
 def _writes_or_hides(node: fx.Node) -> bool:
@@ -119,27 +122,30 @@ def _root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _deaths(graph: fx.Graph, order: dict[fx.Node, int]) -> dict[fx.Node, int]:
-    """Position of the last node that reads each value's storage: a view's readers read its base."""
+def _liveness(graph: fx.Graph) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
+    """Each node's position, and the position of the last node that reads each value's storage
+    (a view's readers read its base)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
     death: dict[fx.Node, int] = {}
     for n in reversed(graph.nodes):
         death[n] = max((death[u] if returns_alias(u) else order[u] for u in n.users), default=order[n])
-    return death
+    return order, death
+
+
+def _static_tensor(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and has_static_geometry(value)
 
 
 def _bytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not has_static_geometry(value):
-        return 0
-    return value.numel() * value.element_size()
+    return tensor_bytes(node) if _static_tensor(node) else 0
 
 
 def _storage_bytes(node: fx.Node) -> int:
     """Bytes a value keeps alive: its whole storage when it is a view."""
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not has_static_geometry(value):
+    if not _static_tensor(node):
         return 0
     try:
-        return value.untyped_storage().nbytes()
+        return node.meta["val"].untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):  # no storage (sparse, subclasses)
-        return _bytes(node)
+        return tensor_bytes(node)
