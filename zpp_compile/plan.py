@@ -10,15 +10,11 @@ import torch
 import torch.fx as fx
 
 from .comm import Collective, Phase, group_ranks
-from .cost_model import returns_alias
 from .passes.buckets import tensor_bytes
-from .passes.graph_utils import COLLECTIVE_OPS
+from .passes.graph_utils import COLLECTIVE_OPS, shares_input_storage
 from .passes.tag_parameter_inputs import PARAM_INPUT
 from .schedule_check import ScheduledCollective, input_placeholder
 from .topology import Topology
-
-_c10d = torch.ops._c10d_functional
-_ALIAS_PASSING = (_c10d.wait_tensor.default, operator.getitem)
 
 
 def collectives_in(gm: fx.GraphModule, phase: Phase, label: str) -> list[Collective]:
@@ -146,9 +142,8 @@ def _last_use(node: fx.Node, position: dict[fx.Node, int]) -> int:
 
 
 def _aliases_input(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    return node.target in _ALIAS_PASSING or returns_alias(node)
+    """Whether `node` hands on its input's buffer: a view, a wait, or an item of a list result."""
+    return shares_input_storage(node) or (node.op == "call_function" and node.target is operator.getitem)
 
 
 @dataclasses.dataclass

@@ -1,8 +1,8 @@
 import torch
+import torch.distributed._functional_collectives as funcol
 
-from zpp_compile.cost_model import returns_alias
 from zpp_compile.passes import sink_large_results
-from zpp_compile.passes.graph_utils import is_call
+from zpp_compile.passes.graph_utils import is_call, shares_input_storage
 
 from .helpers import context, trace
 
@@ -66,6 +66,23 @@ def test_a_result_whose_move_would_keep_larger_inputs_alive_stays(group_of_one):
     assert [n.target for n in gm.graph.nodes] == targets
 
 
+def test_a_collective_result_read_through_its_wait_is_not_freed_at_the_wait(group_of_one):
+    # The wait returns the tensor the all-gather wrote (its schema marks no alias): the gathered
+    # 16 MiB stay alive until dW's own reader reads them, so no place before it frees memory and
+    # dW stays where autograd made it.
+    def gathered_after_dw(dy, x, shard):
+        dw = dy.t() @ x
+        gathered = funcol.all_gather_tensor(shard, 0, group_of_one)  # all_gather_into_tensor + wait
+        return dw + gathered.view(ROWS, 1024), shard.sum()  # the shard outlives dW's reader
+
+    args = torch.randn(8, ROWS), torch.randn(8, 1024), torch.randn(ROWS * 1024)
+    gm = trace(gathered_after_dw, *args)
+    assert any(is_call(n, WAIT) for n in gm.graph.nodes)
+    targets = [n.target for n in gm.graph.nodes]
+    gm = sink_large_results(gm, context(group_of_one, phase="backward"))
+    assert [n.target for n in gm.graph.nodes] == targets
+
+
 def test_a_regathered_tied_head_and_its_gradient_are_never_alive_together(group_of_one, monkeypatch):
     """What the pass is for, in the backward the zeropp backend compiles: Hugging Face GPT-2's tied
     head is gathered again for the backward (keep_last_weights_gathered off) and its gradient is
@@ -108,6 +125,6 @@ def _alive(node) -> set:
     while stack:
         for user in stack.pop().users:
             death = max(death, order[user])
-            if returns_alias(user):
+            if shares_input_storage(user):
                 stack.append(user)
     return {n for n, i in order.items() if order[node] <= i <= death}

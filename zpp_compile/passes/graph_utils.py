@@ -97,6 +97,17 @@ def is_view_or_cast(node: fx.Node) -> bool:
     return len(schema.returns) == 1 and schema.returns[0].alias_info is not None
 
 
+# Ops whose result is kept in their first input's storage though their schema marks no alias: a
+# functional collective's wait returns the tensor its collective wrote; `_unsafe_view` is a view.
+_UNMARKED_VIEWS = (c10d.wait_tensor.default, aten._unsafe_view.default)
+
+
+def shares_input_storage(node: fx.Node) -> bool:
+    """Whether `node`'s result lives in its first input's storage (a view or a wait), so that
+    memory is freed only after `node`'s readers are done too."""
+    return node.op == "call_function" and (node.target in _UNMARKED_VIEWS or returns_alias(node))
+
+
 def is_fresh_buffer(node: fx.Node) -> bool:
     """Whether `node` is a tensor of its own that a later op may write into: an op returns it new
     (its schema marks no alias) and Inductor never replaces the op by its input (post_grad's

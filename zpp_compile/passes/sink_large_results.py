@@ -12,7 +12,8 @@ Before:  dW = mm(dYᵀ, X) ; w8 = all_gather(shard) ; W = dequantize(wait(w8)) ;
 After:   w8 = all_gather(shard) ; W = dequantize(wait(w8)) ; dX = mm(dY, W) ; dW = mm(dYᵀ, X) ; ... use(dW)
 
 A node N of LARGE_BYTES or more moves down to just after the last node M, before N's first
-reader, at which a value of LARGE_BYTES or more (not N's input) is last read. It moves only as far
+reader, at which a value of LARGE_BYTES or more (not N's input) is last read: its storage, read
+through views and waits (graph_utils.shares_input_storage). It moves only as far
 as the inputs whose lifetime the move extends (those that would die before M, not at M) take no
 more bytes than N's result nor than that value: memory then falls between N's old place and M and rises
 nowhere. On GPT-2 the head's gradient moves to the end of the backward, past the last large
@@ -36,7 +37,7 @@ import torch.fx as fx
 from ..cost_model import returns_alias
 from .buckets import tensor_bytes
 from .context import PassContext
-from .graph_utils import COLLECTIVE_STARTS, finish, has_static_geometry, is_random
+from .graph_utils import COLLECTIVE_STARTS, finish, has_static_geometry, is_random, shares_input_storage
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,12 @@ def _is_movable(node: fx.Node) -> bool:
     return (
         node.op == "call_function"
         and hasattr(node.target, "_schema")
+        and _bytes(node) >= LARGE_BYTES  # first: the rarest, and cheaper than is_impure
         and not node.target._schema.is_mutable
         and not node.is_impure()
         and not is_random(node)  # random ops draw in program order (fallback_random)
         and not returns_alias(node)
         and node.target not in COLLECTIVE_STARTS
-        and _bytes(node) >= LARGE_BYTES
     )
 
 
@@ -116,19 +117,19 @@ def _between(node: fx.Node, stop: int, order: dict[fx.Node, int]) -> list[fx.Nod
 
 
 def _root(node: fx.Node) -> fx.Node:
-    """The value whose storage `node` views (itself when it is not a view)."""
-    while returns_alias(node) and node.all_input_nodes:
+    """The value whose storage `node` views or waits for (itself when it has a storage of its own)."""
+    while shares_input_storage(node) and node.all_input_nodes:
         node = node.all_input_nodes[0]
     return node
 
 
 def _liveness(graph: fx.Graph) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
     """Each node's position, and the position of the last node that reads each value's storage
-    (a view's readers read its base)."""
+    (a view's and a wait's readers read their input's)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     death: dict[fx.Node, int] = {}
     for n in reversed(graph.nodes):
-        death[n] = max((death[u] if returns_alias(u) else order[u] for u in n.users), default=order[n])
+        death[n] = max((death[u] if shares_input_storage(u) else order[u] for u in n.users), default=order[n])
     return order, death
 
 
