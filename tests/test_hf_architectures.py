@@ -2,7 +2,8 @@
 sharded, they train like their unsharded copies. Each brings something the others do not: biases
 on the attention projections (Qwen2), parallel residual and partial rotary (GPT-NeoX), an
 encoder-decoder with one embedding shared three ways and relative attention bias (T5), token type
-embeddings and a tied decoder with its own bias (BERT), routed experts (Mixtral)."""
+embeddings and a tied decoder with its own bias (BERT), routed experts (Mixtral), one layer's
+parameters used at every depth and a factorized embedding (ALBERT)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def _tiny(name: str) -> nn.Module:
         ),
         "bert_mlm": lambda: hf.BertForMaskedLM(
             hf.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small)
+        ),
+        "albert": lambda: hf.AlbertForMaskedLM(
+            hf.AlbertConfig(embedding_size=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small)
         ),
         "mixtral": lambda: hf.MixtralForCausalLM(
             hf.MixtralConfig(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, **small)
@@ -86,11 +90,11 @@ def _check(results: list[dict]) -> None:
         assert max(r["loss_gaps"]) <= 1e-5, (rank, r["loss_gaps"])
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gpt_neox", "t5", "bert_mlm", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen2", "gpt_neox", "t5", "bert_mlm", "mixtral", "albert"])
 def test_eager_sharded_training_matches_the_unsharded_model(pools, name):
     _check(pools(2).run(two_steps, name, False))
 
 
-@pytest.mark.parametrize("name", ["t5", "mixtral"])
+@pytest.mark.parametrize("name", ["t5", "mixtral", "albert"])
 def test_compiled_sharded_training_matches_the_unsharded_model(pools, name):
     _check(pools(2).run(two_steps, name, True))
