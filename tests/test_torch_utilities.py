@@ -1,5 +1,5 @@
-"""Sharded parameters behave like torch's: clipping, writes and nn.init, shapes, full state dicts,
-Hugging Face save_pretrained, and DistributedDataParallel refused. Each test compares against the
+"""Sharded parameters behave like torch's: clipping, writes and nn.init, shapes, an EMA of the
+weights, full state dicts, Hugging Face save_pretrained, and DistributedDataParallel refused. Each test compares against the
 same call on an unsharded copy of the model."""
 
 from __future__ import annotations
@@ -283,6 +283,50 @@ def shapes(name: str) -> dict:
 def test_parameters_report_their_global_shapes(pools, name):
     for result in pools(2).run(shapes, name):
         assert all(result.values()), result
+
+
+# --------------------------------------------------------------------------------------------
+# An exponential moving average of the weights (torch.optim.swa_utils.AveragedModel)
+
+
+def ema_vs_unsharded(name: str, mode: str) -> dict:
+    """AveragedModel deep-copies the sharded model and averages shard into shard: after two AdamW
+    steps its weights and its forward equal the unsharded model's average, not the live model's."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, run, opt, reference, ref_opt = sharded_with_reference(
+        name, mode, zpp_compile.Config(lowering=lowering_of(mode))
+    )
+    ema, ref_ema = (AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in (model, reference))
+    for step in range(2):
+        x, y = batch(name, 2 * world, step)
+        loss_of(name, run, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        loss_of(name, reference, x, y).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        ema.update_parameters(model)
+        ref_ema.update_parameters(reference)
+    x, y = batch(name, 2 * world, 2)
+    with torch.no_grad():
+        losses = [loss_of(name, m, x, y).item() for m in (ema, ref_ema, model)]
+    pairs = zip(ema.module.parameters(), ref_ema.module.parameters())
+    return {
+        "weight_error": max((_full(p.detach()) - q).abs().max().item() for p, q in pairs),
+        "loss_gap": abs(losses[0] - losses[1]),
+        "live_model_gap": abs(losses[0] - losses[2]),
+        "sharded": all(isinstance(p, DTensor) for p in ema.module.parameters()),
+    }
+
+
+@pytest.mark.parametrize("name, mode", [("gpt", "eager"), ("hf_gpt2", "compiled")])
+def test_an_ema_of_a_sharded_model_equals_the_unsharded_models_ema(pools, name, mode):
+    for result in pools(2).run(ema_vs_unsharded, name, mode):
+        assert result["sharded"], result  # the average holds shards, not full copies
+        assert result["weight_error"] <= 1e-4, result
+        assert result["loss_gap"] <= 1e-5, result
+        assert result["live_model_gap"] > 1e-3, result  # its forward reads its own weights
 
 
 # --------------------------------------------------------------------------------------------
