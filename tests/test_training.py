@@ -25,6 +25,7 @@ from .workers import reset_process_state
 
 LOCAL_BATCH = 2
 RTOL = 1e-5
+LATER_STEPS_RTOL = 5e-5  # after Adam steps whose direction rounding decides (the tied GPT-2 test)
 
 
 def _relative_errors(full: dict[str, torch.Tensor], reference: torch.nn.Module) -> dict[str, float]:
@@ -92,7 +93,15 @@ def test_tied_embedding_of_hugging_face_gpt2_trains_like_unsharded(pools, world)
     results = pools(world).run(_train_uneven_gpt2)
     # Gradients only: the key projection's bias has a zero gradient in exact arithmetic (softmax
     # ignores a shift shared by every key), and Adam scales its rounding noise up to whole steps.
-    _assert_close([{k: e for k, e in errors.items() if " grad " in k} for errors, _ in results])
+    # The parameters then differ by those steps, which softmax ignores only up to rounding, so
+    # the later steps' gradients differ by more than the first's: on 4 ranks of an AVX2 machine
+    # (2026-12-07) step 0's by at most 6e-8 and step 1's by 3.8e-6 eagerly and 1.2e-5 under
+    # Inductor, in every parameter alike. A wrong fold of the tied rows is off by ~1e-1.
+    grads = [{k: e for k, e in errors.items() if " grad " in k} for errors, _ in results]
+    _assert_close([{k: e for k, e in g.items() if k.startswith("step 0 ")} for g in grads])
+    for rank, g in enumerate(grads):
+        worst = max(g, key=g.get)
+        assert g[worst] <= LATER_STEPS_RTOL, f"rank {rank}: {worst} differs by {g[worst]:.2e} (relative)"
     for _, backward in results:
         assert ("aten.full.default", [65, 30]) not in backward  # no zero-filled embedding-sized buffer
         assert ("aten.add.Tensor", [65, 30]) not in backward
