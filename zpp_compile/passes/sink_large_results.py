@@ -34,7 +34,6 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..cost_model import returns_alias
 from .buckets import tensor_bytes
 from .context import PassContext
 from .graph_utils import COLLECTIVE_STARTS, finish, has_static_geometry, is_random, shares_input_storage
@@ -69,7 +68,7 @@ def _is_movable(node: fx.Node) -> bool:
         and not node.target._schema.is_mutable
         and not node.is_impure()
         and not is_random(node)  # random ops draw in program order (fallback_random)
-        and not returns_alias(node)
+        and not shares_input_storage(node)  # a view or wait owns no memory to make later
         and node.target not in COLLECTIVE_STARTS
     )
 
@@ -80,14 +79,16 @@ def _sink(node: fx.Node, order: dict[fx.Node, int], death: dict[fx.Node, int]) -
         return False
     first_read = min(order[u] for u in node.users)
     inputs = {_root(i) for i in node.all_input_nodes}
+    input_lives = [(death[i], _storage_bytes(i)) for i in inputs]
+    own_bytes = _bytes(node)
     target: Optional[fx.Node] = None
     for later in _between(node, first_read, order):
         if _writes_or_hides(later):
             break
         # Inputs that would die before node's new place live until it instead; one read last by
         # `later` itself is alive there anyway.
-        extended = sum(_storage_bytes(i) for i in inputs if death[i] < order[later])
-        if extended > _bytes(node):
+        extended = sum(size for dies, size in input_lives if dies < order[later])
+        if extended > own_bytes:
             break
         dying = {_root(v) for v in later.all_input_nodes} - inputs
         if any(death[v] == order[later] and _storage_bytes(v) >= max(LARGE_BYTES, extended) for v in dying):
