@@ -57,7 +57,7 @@ def pin_fallback_losses(model: nn.Module) -> list[str]:
     mapping = getattr(sys.modules.get("transformers.loss.loss_utils"), "LOSS_MAPPING", {})
     if FALLBACK_LOSS_TYPE not in mapping:  # a transformers whose fallback this is not: leave it be
         return []
-    pinned = [name for name, module in _outermost(model, base) if _falls_back(module, base)]
+    pinned = [name for name, module in outermost_of_class(model, base) if _falls_back(module, base)]
     for name in pinned:
         module = model.get_submodule(name)
         module._loss_function = FallbackLoss(module, mapping)
@@ -71,14 +71,15 @@ def pin_fallback_losses(model: nn.Module) -> list[str]:
     return pinned
 
 
-def _outermost(module: nn.Module, base: type, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """The transformers models in `module` not inside another: those whose forward computes the
-    loss (GPT2LMHeadModel, not the GPT2Model it holds)."""
+def outermost_of_class(module: nn.Module, base: type, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """The modules of class `base` in `module` (itself included) not inside another: for
+    transformers models, those whose forward computes the loss (GPT2LMHeadModel, not the GPT2Model
+    it holds)."""
     if isinstance(module, base):
         yield prefix, module
         return
     for name, child in module.named_children():
-        yield from _outermost(child, base, f"{prefix}.{name}" if prefix else name)
+        yield from outermost_of_class(child, base, f"{prefix}.{name}" if prefix else name)
 
 
 def _falls_back(module: nn.Module, base: type) -> bool:

@@ -184,6 +184,19 @@ def sharded_state(model: nn.Module) -> ShardedState:
     return model._zpp_state
 
 
+def state_of_part(module: nn.Module) -> ShardedState:
+    """The ShardedState of a sharded model, or of the sharded model `module` is a part of (found
+    through its parameters: the transformers model inside a sharded PEFT model, which
+    `merge_and_unload()` hands back)."""
+    module = unwrap_compiled(module)
+    if is_sharded(module):
+        return module._zpp_state
+    state = next((s for s in map(state_of_shard, module.parameters()) if s is not None), None)
+    if state is None:
+        raise ValueError("this model is not sharded: call zpp_compile.shard(model, zpp_compile.Config()) first.")
+    return state
+
+
 def shard_spec(param: Tensor) -> Optional[ShardSpec]:
     """The ShardSpec of a parameter created by shard() (or its int8 payload), None for any other tensor."""
     return getattr(param, "_zpp_spec", None)

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import itertools
 import warnings
-from typing import Iterator, Optional
+from typing import Collection, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,9 +48,11 @@ from .layout import (
     join_fqn,
     shard_spec,
     sharded_state,
+    state_of_part,
     unwrap_compiled,
 )
 from .plan_trial import agreed_kept_plans
+from .pretrained_saving import install_pretrained_saving
 from .process_state import register_reset
 from .topology import Topology, build_topology, require_initialized, set_current_topology
 
@@ -141,7 +143,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     model._zpp_state = state
     schedule_check.CHECKED_RUNS.configure(config.checked_runs)
     _refuse_data_parallel_wrapping(model)
-    _gather_on_save_pretrained(model)
+    install_pretrained_saving(model, full_state_dict)
     _tell_hugging_face_trainer(model)
     pin_fallback_losses(model)
     dtensor_ops.install()
@@ -215,18 +217,24 @@ def _inputs_caster(dtype: torch.dtype):
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, Tensor]:
+def full_state_dict(
+    model: nn.Module, *, rank0_only: bool = False, names: Optional[Collection[str]] = None
+) -> dict[str, Tensor]:
     """The unsharded state dict (every name, tied ones too), gathered; for export.
 
-    Collective: every rank must call it. Each rank holds one unsharded parameter at a time besides
-    the result; with `rank0_only` the other ranks return {} (what a single writer needs). Frozen
-    weights stored int8 come back dequantized; under mixed precision, the fp32 masters.
+    Collective: every rank must call it, with the same `names`. Each rank holds one unsharded
+    parameter at a time besides the result; with `rank0_only` the other ranks return {} (what a
+    single writer needs). `names`: only these entries, the others are not gathered (a PEFT adapter
+    out of a large model). `model` may be a part of a sharded model (the transformers model inside
+    a sharded PEFT model). Frozen weights stored int8 come back dequantized; under mixed precision,
+    the fp32 masters.
     """
     model = unwrap_compiled(model)
-    state = sharded_state(model)
+    state = state_of_part(model)
     from .checkpoint.state_dict import full_value  # noqa: PLC0415
 
     keep = not rank0_only or state.topology.rank == 0
+    wanted = (lambda fqn: True) if names is None else set(names).__contains__
     out: dict[str, Tensor] = {}
     gathered: dict[int, Tensor] = {}  # tied names share one gather (and one tensor, as unsharded)
     with explained_collective_failures(
@@ -235,15 +243,18 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     ):
         for module_name, module in model.named_modules(remove_duplicate=False):
             for name, p in module._parameters.items():
-                if p is not None and id(p) not in gathered:
-                    gathered[id(p)] = full_value(module, name, p)
-                if p is not None and keep:
-                    out[join_fqn(module_name, name)] = gathered[id(p)]
-                elif p is not None:
-                    gathered[id(p)] = None  # gathered for the others; nothing to keep here
+                fqn = join_fqn(module_name, name)
+                if p is None or not wanted(fqn):
+                    continue
+                if id(p) not in gathered:
+                    value = full_value(module, name, p)  # a collective on every rank, kept on some
+                    gathered[id(p)] = value if keep else None
+                if keep:
+                    out[fqn] = gathered[id(p)]
             for name, b in module._buffers.items():
-                if b is not None and name not in module._non_persistent_buffers_set and keep:
-                    out[join_fqn(module_name, name)] = b.detach().clone()
+                fqn = join_fqn(module_name, name)
+                if b is not None and name not in module._non_persistent_buffers_set and keep and wanted(fqn):
+                    out[fqn] = b.detach().clone()
     return out
 
 
@@ -272,22 +283,6 @@ def _tell_hugging_face_trainer(model: nn.Module) -> None:
     reduction", which a sharded model does. (Trainer then also asks for save_only_model=True.)"""
     if isinstance(getattr(type(model), "is_distributed_loading_by_transformers", None), property):
         model._is_distributed_loading_by_transformers = True
-
-
-def _gather_on_save_pretrained(model: nn.Module) -> None:
-    """A Hugging Face model's save_pretrained(dir) writes the full model: the state dict it writes
-    is gathered first (collective: call it on every rank, as with FSDP; rank 0 writes)."""
-    original = getattr(model, "save_pretrained", None)
-    if not callable(original) or not hasattr(model, "config"):
-        return
-
-    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
-        if state_dict is None:
-            state_dict = full_state_dict(model, rank0_only=True)
-        return original(save_directory, *args, state_dict=state_dict, **kwargs)
-
-    save_pretrained.__doc__ = original.__doc__
-    model.save_pretrained = save_pretrained
 
 
 def gather_full(param: Tensor, *, payload: Optional[Tensor] = None, in_compute_dtype: bool = True) -> Tensor:

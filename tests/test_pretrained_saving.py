@@ -1,0 +1,122 @@
+"""save_pretrained on sharded models: PEFT (LoRA) adapters, merged models (pretrained_saving.py)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zpp_compile
+from zpp_compile.pretrained_saving import names_peft_saves
+
+from .models import _adamw, batch, build, gradient_errors, loss_of
+
+LORA_TARGETS = {"hf_llama": ["q_proj", "v_proj", "down_proj"], "hf_gpt2": ["c_attn", "c_proj"]}
+RTOL = 1e-5
+
+
+def _lora_model(name: str) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS[name], fan_in_fan_out=name == "hf_gpt2"
+    )
+    return get_peft_model(build(name), lora)
+
+
+def _train_beside_reference(name: str, mode: str, config: zpp_compile.Config) -> tuple:
+    """A LoRA model sharded with `config`, and its unsharded copy holding the weights the sharded
+    one computes with (int8 frozen weights dequantized); two AdamW steps of each."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _lora_model(name)
+    reference = copy.deepcopy(model)
+    zpp_compile.shard(model, config)
+    reference.load_state_dict(zpp_compile.full_state_dict(model))
+    run = model if mode == "eager" else torch.compile(model, backend="zeropp")
+    opt, ref_opt = _adamw(model, 1e-2), _adamw(reference, 1e-2)
+    errors: dict[str, float] = {}
+    for step in range(2):
+        x, _ = batch(name, 2 * world, step)
+        loss_of(name, run, x.chunk(world)[rank], None).backward()
+        loss_of(name, reference, x, None).backward()
+        errors |= gradient_errors(model, reference, step)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return model, reference, errors
+
+
+def lora_fine_tuning(name: str, mode: str, config: dict, folder: str) -> dict:
+    """Train a LoRA adapter sharded, save it with PeftModel.save_pretrained on every rank (each rank
+    into its own folder, so that what rank 1 writes is seen, not raced over), load rank 0's."""
+    from peft import PeftModel  # noqa: PLC0415
+
+    rank = dist.get_rank()
+    model, reference, errors = _train_beside_reference(name, mode, zpp_compile.Config(**config))
+    adapter = {n for n, p in model.named_parameters() if p.requires_grad}
+    ours = os.path.join(folder, f"rank{rank}")
+    model.save_pretrained(ours)
+    gathered = zpp_compile.full_state_dict(model, names=adapter)
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(build(name), os.path.join(folder, "rank0")).state_dict()
+    expected = reference.state_dict()
+    return {
+        "grad_error": max(errors.values()),
+        "adapter_names": names_peft_saves(model, None, "auto") == adapter and len(gathered) == len(adapter),
+        "wrote": sorted(os.listdir(ours)),
+        "loaded_bitwise": all(torch.equal(loaded[k], v) for k, v in gathered.items()),
+        "adapter_error": max((v - expected[k]).abs().max().item() for k, v in gathered.items()),
+    }
+
+
+@pytest.mark.parametrize(
+    "name, mode, config",
+    [
+        ("hf_llama", "eager", {}),
+        ("hf_gpt2", "compiled", {}),
+        ("hf_llama", "compiled", {"quantize_frozen_weights": True}),
+    ],
+    ids=["llama-eager", "gpt2-inductor", "llama-inductor-int8-base"],
+)
+def test_a_lora_adapter_trains_like_unsharded_and_rank0_alone_saves_it(pools, tmp_path, name, mode, config):
+    results = pools(2).run(lora_fine_tuning, name, mode, config, str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["grad_error"] <= RTOL, result
+        assert result["adapter_names"], result  # only the adapter is gathered, not the base model
+        assert result["loaded_bitwise"], result  # from_pretrained reads back what was trained
+        assert result["adapter_error"] <= 1e-5, result
+        if rank == 0:
+            assert {"adapter_config.json", "adapter_model.safetensors"} <= set(result["wrote"]), result
+        else:  # peft writes on every rank by default; any rank but 0 would write an empty adapter
+            assert result["wrote"] == [], result
+
+
+def merged_model(folder: str) -> dict:
+    """merge_and_unload() of a sharded LoRA model: the transformers model inside, still sharded;
+    its weights, full_state_dict and save_pretrained are those of the merged unsharded model."""
+    model, reference, _ = _train_beside_reference("hf_llama", "eager", zpp_compile.Config())
+    expected = reference.merge_and_unload().state_dict()
+    merged = model.merge_and_unload()
+    full = zpp_compile.full_state_dict(merged)
+    merged.save_pretrained(folder)
+    dist.barrier()
+    saved = type(merged).from_pretrained(folder).state_dict()
+    x, _ = batch("hf_llama", 2, 5)
+    with torch.no_grad():
+        losses = [loss_of("hf_llama", m, x, None).item() for m in (merged, reference)]
+    return {
+        "same_names": full.keys() == expected.keys(),
+        "merge_error": max((v - expected[k]).abs().max().item() for k, v in full.items()),
+        "saved_bitwise": all(torch.equal(saved[k], v) for k, v in full.items()),
+        "loss_gap": abs(losses[0] - losses[1]),
+    }
+
+
+def test_a_merged_lora_model_gathers_and_saves_the_merged_weights(pools, tmp_path):
+    for result in pools(2).run(merged_model, str(tmp_path / "merged")):
+        assert result["same_names"] and result["saved_bitwise"], result
+        assert result["merge_error"] <= 1e-5 and result["loss_gap"] <= 1e-5, result
