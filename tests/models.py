@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from typing import Optional
+import os
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -370,3 +372,27 @@ def sharding_error(config: zpp_compile.Config) -> str:
     finally:
         reset_process_state()
     return "no error"
+
+
+@contextlib.contextmanager
+def torchrun_environment() -> Iterator[None]:
+    """The variables torchrun sets for a worker of the pool (what Hugging Face Trainer and
+    Accelerate read to find the process group), restored afterwards."""
+    launch = {"RANK": dist.get_rank(), "LOCAL_RANK": dist.get_rank(), "WORLD_SIZE": dist.get_world_size()}
+    launch["LOCAL_WORLD_SIZE"] = launch["WORLD_SIZE"]
+    saved = {var: os.environ.get(var) for var in launch}
+    os.environ.update({var: str(value) for var, value in launch.items()})
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                del os.environ[var]
+            else:
+                os.environ[var] = value
+
+
+def trainer_dataset() -> list[dict[str, torch.Tensor]]:
+    """16 sequences of 16 tokens for Hugging Face Trainer, labels = inputs."""
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 16), generator=g)]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import zpp_compile
 from zpp_compile.pretrained_saving import names_peft_saves
 
-from .models import _adamw, batch, build, gradient_errors, loss_of
+from .models import _adamw, batch, build, gradient_errors, loss_of, torchrun_environment, trainer_dataset
 
 LORA_TARGETS = {"hf_llama": ["q_proj", "v_proj", "down_proj"], "hf_gpt2": ["c_attn", "c_proj"]}
 RTOL = 1e-5
@@ -120,3 +120,39 @@ def test_a_merged_lora_model_gathers_and_saves_the_merged_weights(pools, tmp_pat
     for result in pools(2).run(merged_model, str(tmp_path / "merged")):
         assert result["same_names"] and result["saved_bitwise"], result
         assert result["merge_error"] <= 1e-5 and result["loss_gap"] <= 1e-5, result
+
+
+def lora_with_trainer(folder: str) -> dict:
+    """Hugging Face Trainer on a sharded PEFT model: not wrapped in DDP (the PEFT model answers
+    Trainer from the transformers model inside), a checkpoint every 2 steps and save_model, each
+    the adapter alone, written once."""
+    from peft import PeftModel  # noqa: PLC0415
+    from transformers import Trainer, TrainingArguments  # noqa: PLC0415
+
+    model = zpp_compile.shard(_lora_model("hf_gpt2"))
+    args = TrainingArguments(
+        output_dir=folder, per_device_train_batch_size=2, max_steps=4, logging_steps=1, save_strategy="steps",
+        save_steps=2, save_only_model=True, report_to=[], use_cpu=True,
+    )  # fmt: skip
+    with torchrun_environment():
+        trainer = Trainer(model=model, args=args, train_dataset=trainer_dataset())
+        trainer.train()
+        trainer.save_model(os.path.join(folder, "final"))
+    adapter = {n for n, p in model.named_parameters() if p.requires_grad}
+    trained = zpp_compile.full_state_dict(model, names=adapter)
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(build("hf_gpt2"), os.path.join(folder, "final")).state_dict()
+    return {
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "saved": sorted(
+            d for d in os.listdir(folder) if "adapter_model.safetensors" in os.listdir(os.path.join(folder, d))
+        ),
+        "final_bitwise": all(torch.equal(loaded[k], v) for k, v in trained.items()),
+    }
+
+
+def test_hugging_face_trainer_trains_and_saves_a_sharded_lora_adapter(pools, tmp_path):
+    for result in pools(2).run(lora_with_trainer, str(tmp_path / "trainer")):
+        assert result["wrapped"] == "PeftModel", result  # not DistributedDataParallel
+        assert result["saved"] == ["checkpoint-2", "checkpoint-4", "final"], result
+        assert result["final_bitwise"], result

@@ -19,7 +19,16 @@ from torch.distributed.tensor.debug import CommDebugMode
 import zpp_compile
 from examples.gpt import _init_weights
 
-from .models import HF_MODELS, batch, build, loss_of, lowering_of, sharded_with_reference
+from .models import (
+    HF_MODELS,
+    batch,
+    build,
+    loss_of,
+    lowering_of,
+    sharded_with_reference,
+    torchrun_environment,
+    trainer_dataset,
+)
 
 MAX_NORM = 0.1
 INF = float("inf")
@@ -402,36 +411,23 @@ def test_wrapping_a_sharded_model_in_ddp_is_refused_with_the_recipe(pools):
 
 def hugging_face_trainer(folder: str) -> dict:
     """Trainer under a 2-rank process group, as torchrun would launch it: no DDP wrap, the global
-    gradient norm logged, and the sharded model trained."""
-    launch = {"RANK": dist.get_rank(), "LOCAL_RANK": dist.get_rank(), "WORLD_SIZE": dist.get_world_size()}
-    launch["LOCAL_WORLD_SIZE"] = launch["WORLD_SIZE"]
-    saved = {var: os.environ.get(var) for var in launch}
-    os.environ.update({var: str(value) for var, value in launch.items()})  # what torchrun sets
-    try:
-        return _train_with_trainer(folder)
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                del os.environ[var]
-            else:
-                os.environ[var] = value
-
-
-def _train_with_trainer(folder: str) -> dict:
+    gradient norm logged, the sharded model trained, and save_model writes the full model."""
     from transformers import Trainer, TrainingArguments
 
     torch.manual_seed(0)
     model = zpp_compile.shard(build("hf_gpt2"))
     before = zpp_compile.full_state_dict(model)
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 16), generator=g)]
     args = TrainingArguments(
         output_dir=folder, per_device_train_batch_size=2, max_steps=3, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, max_grad_norm=1.0,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    result = trainer.train()
+    with torchrun_environment():
+        trainer = Trainer(model=model, args=args, train_dataset=trainer_dataset())
+        result = trainer.train()
+        trainer.save_model(os.path.join(folder, "final"))  # every rank, as a script calls it
     after = zpp_compile.full_state_dict(model)
+    dist.barrier()
+    saved = type(model).from_pretrained(os.path.join(folder, "final")).state_dict()
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
     return {
         "wrapped": type(trainer.model_wrapped).__name__,
@@ -440,6 +436,7 @@ def _train_with_trainer(folder: str) -> dict:
         "trained": not torch.equal(
             after["transformer.h.0.attn.c_attn.weight"], before["transformer.h.0.attn.c_attn.weight"]
         ),
+        "saved_bitwise": all(torch.equal(saved[k], v) for k, v in after.items()),
     }
 
 
@@ -447,5 +444,6 @@ def test_hugging_face_trainer_trains_a_sharded_model_without_ddp(pools, tmp_path
     results = pools(2).run(hugging_face_trainer, str(tmp_path / "trainer"))
     for r in results:
         assert r["wrapped"] == "GPT2LMHeadModel" and r["trained"] and len(r["grad_norms"]) == 3
+        assert r["saved_bitwise"], r  # from_pretrained reads back the trained model
     assert results[0]["loss"] == results[1]["loss"]  # the same logged loss on every rank
     assert results[0]["grad_norms"] == results[1]["grad_norms"]  # the global norm, not each rank's

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import sys
 import warnings
 from typing import Collection, Iterator, Optional
 
@@ -37,7 +38,7 @@ from .config import Config
 from .cost_model import build_cost_model
 from .faults import explained_collective_failures
 from .grad_sync import grad_sync_kwargs
-from .hugging_face import pin_fallback_losses
+from .hugging_face import outermost_of_class, pin_fallback_losses
 from .layout import (
     PAYLOAD_SUFFIX,
     ShardedState,
@@ -280,9 +281,14 @@ def _refuse_data_parallel_wrapping(model: nn.Module) -> None:
 def _tell_hugging_face_trainer(model: nn.Module) -> None:
     """Hugging Face Trainer (transformers 5) skips its DDP wrap for a model whose
     is_distributed_loading_by_transformers is True: the model "owns its placement and gradient
-    reduction", which a sharded model does. (Trainer then also asks for save_only_model=True.)"""
-    if isinstance(getattr(type(model), "is_distributed_loading_by_transformers", None), property):
-        model._is_distributed_loading_by_transformers = True
+    reduction", which a sharded model does. (Trainer then also asks for save_only_model=True.)
+    Set on the root and on each outermost transformers model inside: a PEFT model answers the
+    attribute from the transformers model it wraps."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    inner = [] if modeling_utils is None else [m for _, m in outermost_of_class(model, modeling_utils.PreTrainedModel)]
+    for module in (model, *inner):
+        if isinstance(getattr(type(module), "is_distributed_loading_by_transformers", None), property):
+            module._is_distributed_loading_by_transformers = True
 
 
 def gather_full(param: Tensor, *, payload: Optional[Tensor] = None, in_compute_dtype: bool = True) -> Tensor:
