@@ -447,3 +447,38 @@ def test_hugging_face_trainer_trains_a_sharded_model_without_ddp(pools, tmp_path
         assert r["saved_bitwise"], r  # from_pretrained reads back the trained model
     assert results[0]["loss"] == results[1]["loss"]  # the same logged loss on every rank
     assert results[0]["grad_norms"] == results[1]["grad_norms"]  # the global norm, not each rank's
+
+
+def trainer_log(folder: str, compiled: bool) -> dict:
+    """Trainer with gradient accumulation on the sharded HF GPT-2, eager or compiled in place
+    (`model.compile(backend="zeropp")`: the module keeps its forward's signature, by which Trainer
+    picks the dataset's columns)."""
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = zpp_compile.shard(build("hf_gpt2"))
+    if compiled:
+        model.compile(backend="zeropp")
+    args = TrainingArguments(
+        output_dir=folder, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, max_grad_norm=1.0,
+    )  # fmt: skip
+    graphs_before = len(zpp_compile.compiled_graphs())
+    with torchrun_environment():
+        trainer = Trainer(model=model, args=args, train_dataset=trainer_dataset())
+        trainer.train()
+    history = trainer.state.log_history
+    return {
+        "losses": [entry["loss"] for entry in history if "loss" in entry],
+        "grad_norms": [entry["grad_norm"] for entry in history if "grad_norm" in entry],
+        "zeropp_graphs": len(zpp_compile.compiled_graphs()) - graphs_before,
+    }
+
+
+def test_hugging_face_trainer_runs_the_model_compiled_in_place_as_eager(pools, tmp_path):
+    eager = pools(2).run(trainer_log, str(tmp_path / "eager"), False)[0]
+    compiled = pools(2).run(trainer_log, str(tmp_path / "compiled"), True)[0]
+    assert eager["zeropp_graphs"] == 0 and compiled["zeropp_graphs"] > 0, compiled
+    assert len(compiled["losses"]) == 3, compiled
+    for key in ("losses", "grad_norms"):
+        assert compiled[key] == pytest.approx(eager[key], rel=1e-5), (eager, compiled)
