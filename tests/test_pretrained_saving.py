@@ -156,3 +156,59 @@ def test_hugging_face_trainer_trains_and_saves_a_sharded_lora_adapter(pools, tmp
         assert result["wrapped"] == "PeftModel", result  # not DistributedDataParallel
         assert result["saved"] == ["checkpoint-2", "checkpoint-4", "final"], result
         assert result["final_bitwise"], result
+
+
+def _classifier() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForSequenceClassification  # noqa: PLC0415
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, pad_token_id=0, num_labels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(config)
+
+
+def classifier_with_lora(folder: str) -> dict:
+    """LoRA for sequence classification: the new head is trained whole beside the adapter (PEFT's
+    modules_to_save) and saved with it; PEFT applied after shard() is refused with the order."""
+    from peft import LoraConfig, PeftModel, get_peft_model  # noqa: PLC0415
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS", lora_dropout=0.0)
+    model = get_peft_model(_classifier(), lora)
+    reference = copy.deepcopy(model)
+    run = torch.compile(zpp_compile.shard(model), backend="zeropp")
+    opt, ref_opt = _adamw(model, 1e-2), _adamw(reference, 1e-2)
+    g = torch.Generator().manual_seed(1)
+    errors: dict[str, float] = {}
+    for step in range(2):
+        x, y = torch.randint(1, 64, (2 * world, 12), generator=g), torch.randint(0, 3, (2 * world,), generator=g)
+        run(input_ids=x.chunk(world)[rank], labels=y.chunk(world)[rank]).loss.backward()
+        reference(input_ids=x, labels=y).loss.backward()
+        errors |= gradient_errors(model, reference, step)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    model.save_pretrained(folder)
+    trained = zpp_compile.full_state_dict(model, names={n for n, p in model.named_parameters() if p.requires_grad})
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(_classifier(), folder).state_dict()
+    late = get_peft_model(zpp_compile.shard(_classifier()), lora)
+    try:
+        late(input_ids=x.chunk(world)[rank], labels=y.chunk(world)[rank])
+        refusal = "no error"
+    except zpp_compile.ShardingError as error:
+        refusal = str(error)
+    return {
+        "grad_error": max(errors.values()),
+        "head_saved": any("score.modules_to_save" in k for k in trained),
+        "loaded_bitwise": all(torch.equal(loaded[k], v) for k, v in trained.items()),
+        "refusal": refusal,
+    }
+
+
+def test_a_lora_classifier_saves_its_trained_head_and_peft_after_shard_is_refused(pools, tmp_path):
+    for result in pools(2).run(classifier_with_lora, str(tmp_path / "classifier")):
+        assert result["grad_error"] <= RTOL and result["head_saved"] and result["loaded_bitwise"], result
+        assert "get_peft_model(model, config) first, then zpp_compile.shard(model)" in result["refusal"], result

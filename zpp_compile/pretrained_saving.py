@@ -83,7 +83,7 @@ def _adapter_saver(model: nn.Module, gather: Gather) -> Saver:
             extra = bound.arguments["kwargs"]
             if extra.get("state_dict") is None:
                 chosen = bound.arguments["selected_adapters"], bound.arguments["save_embedding_layers"]
-                extra["state_dict"] = gather(model, rank0_only=True, names=names_peft_saves(model, *chosen))
+                extra["state_dict"] = _adapter_state_dict(model, gather, *chosen)
                 rank = state_of_part(model).topology.rank
                 bound.arguments["is_main_process"] = bound.arguments["is_main_process"] and rank == 0
             return original(*bound.args, **bound.kwargs)
@@ -93,8 +93,28 @@ def _adapter_saver(model: nn.Module, gather: Gather) -> Saver:
     return wrap
 
 
+def _adapter_state_dict(model: nn.Module, gather: Gather, selected_adapters: Any, save_embedding_layers: Any) -> dict:
+    """Rank 0: the entries PEFT writes, gathered. The other ranks: the same names over meta
+    tensors (PEFT checks that a module's entries are all there, `modules_to_save`, before it looks
+    at is_main_process)."""
+    placeholders = _meta_state_dict(model)
+    names = names_peft_saves(model, selected_adapters, save_embedding_layers, placeholders)
+    gathered = gather(model, rank0_only=True, names=names)
+    if state_of_part(model).topology.rank == 0:
+        return gathered
+    return placeholders if names is None else {name: placeholders[name] for name in names}
+
+
+def _meta_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict()'s names over meta tensors of the global shapes (no values read)."""
+    return {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in model.state_dict().items()}
+
+
 def names_peft_saves(
-    model: nn.Module, selected_adapters: Optional[list[str]], save_embedding_layers: Any
+    model: nn.Module,
+    selected_adapters: Optional[list[str]],
+    save_embedding_layers: Any,
+    placeholders: Optional[dict[str, torch.Tensor]] = None,
 ) -> Optional[set[str]]:
     """The state-dict names PEFT's save_pretrained writes for `model`: PEFT's own
     get_peft_model_state_dict run on meta tensors of the global shapes (it picks entries by name
@@ -102,7 +122,7 @@ def names_peft_saves(
     rather than one it picked."""
     from peft.utils import get_peft_model_state_dict  # noqa: PLC0415  (only for PEFT models)
 
-    placeholders = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in model.state_dict().items()}
+    placeholders = _meta_state_dict(model) if placeholders is None else placeholders
     name_of = {id(t): name for name, t in placeholders.items()}
     names: set[str] = set()
     for adapter in selected_adapters or list(model.peft_config):

@@ -668,5 +668,8 @@ def _refuse_added(fqn: str, param: Tensor) -> None:
         raise ShardingError(
             f"parameter {fqn!r} (shape {tuple(param.shape)}) was added after zpp_compile.shard() and is not "
             "sharded: its gradient would never be averaged across ranks. Add every parameter "
-            "before shard(), or shard a new model."
+            f"before shard(), or shard a new model.{_PEFT_ORDER_HINT if 'lora_' in fqn else ''}"
         )
+
+
+_PEFT_ORDER_HINT = " With PEFT: model = get_peft_model(model, config) first, then zpp_compile.shard(model)."
