@@ -28,11 +28,15 @@ def _lora_model(name: str) -> torch.nn.Module:
     return get_peft_model(build(name), lora)
 
 
-def _train_beside_reference(name: str, mode: str, config: zpp_compile.Config) -> tuple:
+def _train_beside_reference(name: str, mode: str, config: zpp_compile.Config, checkpointing: bool = False) -> tuple:
     """A LoRA model sharded with `config`, and its unsharded copy holding the weights the sharded
-    one computes with (int8 frozen weights dequantized); two AdamW steps of each."""
+    one computes with (int8 frozen weights dequantized); two AdamW steps of each. `checkpointing`:
+    HF gradient checkpointing, as PEFT's fine-tuning recipes set it up."""
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _lora_model(name)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()  # the frozen embedding's output must require grad
     reference = copy.deepcopy(model)
     zpp_compile.shard(model, config)
     reference.load_state_dict(zpp_compile.full_state_dict(model))
@@ -56,7 +60,9 @@ def lora_fine_tuning(name: str, mode: str, config: dict, folder: str) -> dict:
     from peft import PeftModel  # noqa: PLC0415
 
     rank = dist.get_rank()
-    model, reference, errors = _train_beside_reference(name, mode, zpp_compile.Config(**config))
+    config = dict(config)
+    checkpointing = config.pop("checkpointing", False)
+    model, reference, errors = _train_beside_reference(name, mode, zpp_compile.Config(**config), checkpointing)
     adapter = {n for n, p in model.named_parameters() if p.requires_grad}
     ours = os.path.join(folder, f"rank{rank}")
     model.save_pretrained(ours)
@@ -78,9 +84,9 @@ def lora_fine_tuning(name: str, mode: str, config: dict, folder: str) -> dict:
     [
         ("hf_llama", "eager", {}),
         ("hf_gpt2", "compiled", {}),
-        ("hf_llama", "compiled", {"quantize_frozen_weights": True}),
+        ("hf_llama", "compiled", {"quantize_frozen_weights": True, "checkpointing": True}),
     ],
-    ids=["llama-eager", "gpt2-inductor", "llama-inductor-int8-base"],
+    ids=["llama-eager", "gpt2-inductor", "llama-inductor-int8-base-checkpointing"],
 )
 def test_a_lora_adapter_trains_like_unsharded_and_rank0_alone_saves_it(pools, tmp_path, name, mode, config):
     results = pools(2).run(lora_fine_tuning, name, mode, config, str(tmp_path))
