@@ -152,6 +152,37 @@ def test_generate_for_evaluation_matches_the_unsharded_model(pools):
         assert all(result.values()), result
 
 
+def generate_ending_apart(wrapping: str) -> dict:
+    """Each rank generates from its own prompt; rank 0's reaches EOS by its second new token, rank
+    1's later. Rank 0 keeps stepping (transformers' synced_gpus, the default shard() sets) instead
+    of leaving rank 1 waiting in a gather; both get the unsharded model's tokens."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    unsharded = build("hf_gpt2").eval()
+    model = copy.deepcopy(unsharded)
+    if wrapping == "peft":
+        from peft import LoraConfig, get_peft_model  # noqa: PLC0415
+
+        unsharded = get_peft_model(unsharded, LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+        model = copy.deepcopy(unsharded)
+    model = zpp_compile.shard(model, zpp_compile.Config(collective_timeout_s=60)).eval()
+    run = torch.compile(model, backend="zeropp") if wrapping == "compiled" else model
+    prompts = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eos = int(unsharded.generate(prompts[:1], **kwargs)[0, 6])  # rank 0's second new token
+        expected = unsharded.generate(prompts[rank : rank + 1], eos_token_id=eos, **kwargs)
+        got = run.generate(prompts[rank : rank + 1], eos_token_id=eos, **kwargs)
+    return {"new_tokens": expected.shape[1] - 5, "same": torch.equal(got, expected)}
+
+
+@pytest.mark.parametrize("wrapping", ["eager", "compiled", "peft"])
+def test_generate_ending_at_a_different_step_on_each_rank_gives_each_its_tokens(pools, wrapping):
+    results = pools(2).run(generate_ending_apart, wrapping)
+    assert results[0]["new_tokens"] < results[1]["new_tokens"], results  # the ranks end apart
+    assert all(r["same"] for r in results), results
+
+
 def checkpointing_vs_not(mode: str) -> dict[str, float]:
     """Hugging Face's gradient_checkpointing_enable() (torch.utils.checkpoint around each layer)
     gives the gradients of the run without it."""
