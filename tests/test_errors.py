@@ -126,6 +126,14 @@ def add_a_parameter_after_shard() -> None:
     model(torch.randn(2, 13))
 
 
+def resize_embeddings_after_shard() -> None:
+    from .models import build  # noqa: PLC0415
+
+    model = zpp_compile.shard(build("hf_gpt2"))
+    model.resize_token_embeddings(64)  # the current size (scripts pass len(tokenizer) unconditionally): runs
+    model.resize_token_embeddings(70)
+
+
 def move_the_model_after_shard(compiled: bool) -> None:
     model = zpp_compile.shard(OddMLP(), zpp_compile.Config(lowering="aot_eager"))
     model.to("meta")
@@ -155,6 +163,12 @@ def hpz_size_not_dividing_the_node() -> None:
         (2, replace_a_parameter_after_shard, (False,), REPLACED),
         (2, replace_a_parameter_after_shard, (True,), REPLACED),
         (2, add_a_parameter_after_shard, (), "parameter 'fc2.extra' .* was added after zpp_compile.shard"),
+        (
+            2,
+            resize_embeddings_after_shard,
+            (),
+            "ShardingError: resize_token_embeddings\\(70\\) .*(64 rows now).* Resize before sharding",
+        ),
         (2, move_the_model_after_shard, (False,), MOVED_TO_META),
         (2, move_the_model_after_shard, (True,), MOVED_TO_META),
     ],

@@ -55,8 +55,8 @@ from .layout import (
 from .plan_trial import agreed_kept_plans
 from .pretrained_saving import install_pretrained_saving
 from .process_state import register_reset
-from .synced_generation import install_synced_generation
 from .topology import Topology, build_topology, require_initialized, set_current_topology
+from .transformers_methods import adapt_transformers_methods
 
 __all__ = [
     "ShardingError",
@@ -146,7 +146,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     schedule_check.CHECKED_RUNS.configure(config.checked_runs)
     _refuse_data_parallel_wrapping(model)
     install_pretrained_saving(model, full_state_dict)
-    install_synced_generation(model, state.topology.world_size)
+    adapt_transformers_methods(model, state.topology.world_size)
     _tell_hugging_face_trainer(model)
     pin_fallback_losses(model)
     dtensor_ops.install()
