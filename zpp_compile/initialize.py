@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from .layout import ShardingError, sharded_state, unwrap_compiled
+from .peft_models import init_adapters, is_peft_model
 
 Init = Callable[[nn.Module], object]
 
@@ -37,7 +38,8 @@ def materialize(
     `device`: where the model trains (default: CPU under gloo, the current CUDA device under
     NCCL). `init(model)`: the initialization, called once on the sharded model (None: each
     module's reset_parameters(), in model.modules() order, as FSDP2's recipe does). It must also
-    set buffers computed in __init__ (rotary tables, masks): to_empty leaves them unset.
+    set buffers computed in __init__ (rotary tables, masks): to_empty leaves them unset. A PEFT
+    model's adapters are then initialized as PEFT initializes them (peft_models.py).
     Collective (the check of what was written). Returns `model`.
     """
     model = unwrap_compiled(model)
@@ -53,6 +55,8 @@ def materialize(
                 module.reset_parameters()
     else:
         init(model)
+    if is_peft_model(model):  # after any init, which would treat lora_B as a plain Linear
+        init_adapters(model)
     _refuse_unwritten(tensors)
     return model
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from .hugging_face import outermost_of_class
 from .layout import state_of_part
+from .peft_models import is_peft_model
 
 Gather = Callable[..., dict[str, torch.Tensor]]  # sharding.full_state_dict, which imports this module
 
@@ -34,7 +35,7 @@ Gather = Callable[..., dict[str, torch.Tensor]]  # sharding.full_state_dict, whi
 def install_pretrained_saving(model: nn.Module, gather: Gather) -> None:
     """Wrap the save_pretrained of `model` and of the transformers models inside it (see above);
     `gather` is full_state_dict."""
-    if _is_peft_model(model):
+    if is_peft_model(model):
         _wrap_save_pretrained(model, _adapter_saver(model, gather))
     elif hasattr(model, "config"):  # transformers-like, as PreTrainedModel or not
         _wrap_save_pretrained(model, _full_model_saver(model, gather))
@@ -43,11 +44,6 @@ def install_pretrained_saving(model: nn.Module, gather: Gather) -> None:
         for name, inner in outermost_of_class(model, modeling_utils.PreTrainedModel):
             if name:  # the root is settled above
                 _wrap_save_pretrained(inner, _full_model_saver(inner, gather))
-
-
-def _is_peft_model(model: nn.Module) -> bool:
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 Saver = Callable[[Callable[..., Any]], Callable[..., Any]]  # the original save_pretrained -> the wrapped one

@@ -14,6 +14,8 @@ folder (model.safetensors, or the shards named by model.safetensors.index.json) 
 A tensor the model lacks, a model entry the source lacks, or a shape that differs raises
 CheckpointMismatchError naming every one of them, on every rank: before anything is written for a
 safetensors source or a mapping; as each arrives, and the missing ones at the end, for pairs.
+A PEFT model (LoRA on a meta-device model) loads its base model's checkpoint under the base
+model's names; its adapters are initialized as PEFT does (peft_models.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint.state_dict import CheckpointMismatchError, _load_into_payload
 from .layout import int8_payload, shard_spec, sharded_state, unwrap_compiled
+from .peft_models import checkpoint_name, copy_modules_to_save, init_adapters, is_peft_model
 
 PathLike = Union[str, os.PathLike]
 SAFE_WEIGHTS = "model.safetensors"
@@ -132,6 +135,7 @@ def _load(model: nn.Module, shapes: dict, readers: dict[str, RowReader], strict:
             _write(module, key.rsplit(".", 1)[-1], tensor, readers[key], rank)
     if was_meta:
         _fill_unsaved(model, targets, shapes)
+    _settle_peft_adapters(model, was_meta)
     return model
 
 
@@ -153,6 +157,7 @@ def _load_stream(model: nn.Module, pairs: Iterator[tuple[str, Tensor]], strict: 
     _check(targets, shapes, strict, source)
     if was_meta:
         _fill_unsaved(model, targets, shapes)
+    _settle_peft_adapters(model, was_meta)
     return model
 
 
@@ -189,8 +194,26 @@ def _fill_unsaved(model: nn.Module, targets: dict, shapes: dict) -> None:
         init_module(module)
 
 
+def _settle_peft_adapters(model: nn.Module, was_meta: bool) -> None:
+    """A PEFT model's adapters, which no base checkpoint holds: initialized as PEFT does where the
+    model came from the meta device; a module to save's trainable copy takes the loaded values."""
+    if is_peft_model(model) and was_meta:
+        init_adapters(model)
+    elif is_peft_model(model):
+        copy_modules_to_save(model)
+
+
 def _targets(model: nn.Module) -> dict[str, tuple[nn.Module, Tensor]]:
-    """{state-dict key: (owning module, parameter or buffer)}, tied names included."""
+    """{state-dict key: (owning module, parameter or buffer)}, tied names included. A PEFT model's
+    under the base model's names, its adapters left out (peft_models.checkpoint_name)."""
+    targets = _own_targets(model)
+    if not is_peft_model(model):
+        return targets
+    renamed = ((checkpoint_name(key), target) for key, target in targets.items())
+    return {key: target for key, target in renamed if key is not None}
+
+
+def _own_targets(model: nn.Module) -> dict[str, tuple[nn.Module, Tensor]]:
     targets = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
