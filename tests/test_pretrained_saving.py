@@ -65,6 +65,8 @@ def lora_fine_tuning(name: str, mode: str, config: dict, folder: str) -> dict:
     model, reference, errors = _train_beside_reference(name, mode, zpp_compile.Config(**config), checkpointing)
     adapter = {n for n, p in model.named_parameters() if p.requires_grad}
     ours = os.path.join(folder, f"rank{rank}")
+    asked: list = []  # what save_pretrained asks full_state_dict to gather (it still gathers it)
+    model.save_pretrained.extra = lambda m, **kw: asked.append(kw["names"]) or zpp_compile.full_state_dict(m, **kw)
     model.save_pretrained(ours)
     gathered = zpp_compile.full_state_dict(model, names=adapter)
     dist.barrier()
@@ -72,7 +74,7 @@ def lora_fine_tuning(name: str, mode: str, config: dict, folder: str) -> dict:
     expected = reference.state_dict()
     return {
         "grad_error": max(errors.values()),
-        "adapter_names": names_peft_saves(model, None, "auto") == adapter and len(gathered) == len(adapter),
+        "adapter_only": asked == [adapter] and names_peft_saves(model, None, "auto") == adapter,
         "wrote": sorted(os.listdir(ours)),
         "loaded_bitwise": all(torch.equal(loaded[k], v) for k, v in gathered.items()),
         "adapter_error": max((v - expected[k]).abs().max().item() for k, v in gathered.items()),
@@ -92,7 +94,7 @@ def test_a_lora_adapter_trains_like_unsharded_and_rank0_alone_saves_it(pools, tm
     results = pools(2).run(lora_fine_tuning, name, mode, config, str(tmp_path))
     for rank, result in enumerate(results):
         assert result["grad_error"] <= RTOL, result
-        assert result["adapter_names"], result  # only the adapter is gathered, not the base model
+        assert result["adapter_only"], result  # only the adapter is gathered, not the base model
         assert result["loaded_bitwise"], result  # from_pretrained reads back what was trained
         assert result["adapter_error"] <= 1e-5, result
         if rank == 0:
@@ -120,6 +122,34 @@ def merged_model(folder: str) -> dict:
         "saved_bitwise": all(torch.equal(saved[k], v) for k, v in full.items()),
         "loss_gap": abs(losses[0] - losses[1]),
     }
+
+
+def deep_copy_saves_itself(folder: str) -> dict:
+    """A deep copy of a sharded model (an EMA, TRL's reference model) saves, and generates with,
+    its own weights: the adapted methods are bound to the copy, not to the original."""
+    from peft import PeftModel  # noqa: PLC0415
+
+    model = zpp_compile.shard(_lora_model("hf_llama"))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.5)
+    twin.save_pretrained(folder)
+    adapter = {n for n, p in twin.named_parameters() if p.requires_grad}
+    own = zpp_compile.full_state_dict(twin, names=adapter)
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(build("hf_llama"), folder).state_dict()
+    inner = twin.get_base_model()
+    return {
+        "saved_the_copy": all(torch.equal(loaded[k], v) for k, v in own.items()),
+        "methods_bound_to_copy": inner.generate.module is inner and inner.save_pretrained.module is inner,
+    }
+
+
+def test_a_deep_copy_of_a_sharded_model_saves_its_own_weights(pools, tmp_path):
+    for result in pools(2).run(deep_copy_saves_itself, str(tmp_path / "twin")):
+        assert all(result.values()), result
 
 
 def test_a_merged_lora_model_gathers_and_saves_the_merged_weights(pools, tmp_path):

@@ -71,6 +71,20 @@ def pin_fallback_losses(model: nn.Module) -> list[str]:
     return pinned
 
 
+class InstanceMethod:
+    """`function(extra, module, *args, **kwargs)` set as a method of one module instance, where
+    shard() adapts a transformers model's method (save_pretrained, generate). An object, not a
+    closure or a bound partial: a model holding it still pickles, and a deep copy of the model (an
+    EMA, a reference model) gets one bound to the copy, not to the original."""
+
+    def __init__(self, function: Callable[..., Any], module: nn.Module, extra: Any = None, doc: Any = None) -> None:
+        self.function, self.module, self.extra = function, module, extra
+        self.__doc__ = doc
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(self.extra, self.module, *args, **kwargs)
+
+
 def outermost_of_class(module: nn.Module, base: type, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """The modules of class `base` in `module` (itself included) not inside another: for
     transformers models, those whose forward computes the loss (GPT2LMHeadModel, not the GPT2Model

@@ -61,8 +61,9 @@ def checkpoint_name(peft_name: str) -> Optional[str]:
 def init_adapters(model: nn.Module) -> None:
     """Each LoRA adapter initialized as get_peft_model creates it (its nn.Linear matrices' own
     init, then PEFT's reset_lora_parameters with the config's init_lora_weights: the same random
-    draws in the same order, so the unsharded model seeded alike gets the same values), and each
-    modules_to_save copy set to the module it copies (see above)."""
+    draws in the same order, so the unsharded model seeded alike gets the same values; LoRA on an
+    embedding, whose matrices PEFT first draws with torch.randn, gets PEFT's distributions but not
+    its exact draws), and each modules_to_save copy set to the module it copies (see above)."""
     for module in model.modules():
         if callable(getattr(module, "reset_lora_parameters", None)):
             for adapter in _adapters_of(module):

@@ -2,18 +2,23 @@
 
 transformers' `PreTrainedModel.save_pretrained(dir)` and PEFT's `PeftModel.save_pretrained(dir)`
 read `model.state_dict()`, which on a sharded model holds DTensor shards. shard() wraps both so
-that they write full tensors. Each is collective: call it on every rank, as with FSDP.
+that they write full tensors. Each is collective: call it on every rank, as with FSDP, and pass a
+`state_dict` on every rank or on none (a `state_dict` the caller passes is written as given).
 
 - A transformers model (the root, and each outermost one inside it: the model a sharded PEFT
   model's `merge_and_unload()` hands back) gathers its whole state dict on rank 0; transformers
-  itself writes on rank 0 only.
-- A PEFT model gathers only the entries PEFT writes (the adapter, not the frozen base model: a
-  LoRA adapter of a 7B model is megabytes, its base model 28 GB in fp32), and writes on rank 0
-  only: PEFT's own `is_main_process` defaults to True on every rank, and every rank but 0 holds
-  no state dict to write. Which entries PEFT writes comes from a dry run of PEFT's own selection
-  on meta tensors of the global shapes.
+  itself writes on rank 0 only. Another root with a `config` is wrapped where its save_pretrained
+  takes a `state_dict`.
+- A PEFT model gathers only the entries PEFT writes (for LoRA the adapter, not the frozen base
+  model: a LoRA adapter of a 7B model is megabytes, its base model 28 GB in fp32), and writes on
+  rank 0 only: PEFT's own `is_main_process` defaults to True on every rank, and every rank but 0
+  holds no values to write. Which entries PEFT writes comes from a dry run of PEFT's own selection
+  on rank 0, on meta tensors of the global shapes; its answer (and PEFT's "auto" choice of saving
+  the embeddings, which reads the base model's config from disk or the Hub) is broadcast, so that
+  every rank gathers the same entries and PEFT's real call decides nothing again.
 
-A `state_dict` the caller passes is written as given.
+The wrappers are hugging_face.InstanceMethod objects: a deep copy of the model (an EMA, a
+reference model) gets wrappers bound to the copy.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import sys
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .hugging_face import outermost_of_class
-from .layout import state_of_part
+from .hugging_face import InstanceMethod, outermost_of_class
+from .layout import join_fqn, state_of_part
 from .peft_models import is_peft_model
 
 Gather = Callable[..., dict[str, torch.Tensor]]  # sharding.full_state_dict, which imports this module
@@ -36,89 +42,107 @@ def install_pretrained_saving(model: nn.Module, gather: Gather) -> None:
     """Wrap the save_pretrained of `model` and of the transformers models inside it (see above);
     `gather` is full_state_dict."""
     if is_peft_model(model):
-        _wrap_save_pretrained(model, _adapter_saver(model, gather))
-    elif hasattr(model, "config"):  # transformers-like, as PreTrainedModel or not
-        _wrap_save_pretrained(model, _full_model_saver(model, gather))
+        _bind_save_pretrained(model, _save_adapter, gather)
+    elif hasattr(model, "config") and _takes_state_dict(model):
+        _bind_save_pretrained(model, _save_full_model, gather)
     modeling_utils = sys.modules.get("transformers.modeling_utils")
     if modeling_utils is not None:
         for name, inner in outermost_of_class(model, modeling_utils.PreTrainedModel):
             if name:  # the root is settled above
-                _wrap_save_pretrained(inner, _full_model_saver(inner, gather))
+                _bind_save_pretrained(inner, _save_full_model, gather)
 
 
-Saver = Callable[[Callable[..., Any]], Callable[..., Any]]  # the original save_pretrained -> the wrapped one
+def _takes_state_dict(model: nn.Module) -> bool:
+    method = getattr(type(model), "save_pretrained", None)
+    return callable(method) and "state_dict" in inspect.signature(method).parameters
 
 
-def _wrap_save_pretrained(model: nn.Module, saver: Saver) -> None:
-    original = getattr(model, "save_pretrained", None)
-    if callable(original):
-        wrapped = saver(original)
-        wrapped.__doc__ = original.__doc__
-        model.save_pretrained = wrapped
+def _bind_save_pretrained(model: nn.Module, save: Callable[..., Any], gather: Gather) -> None:
+    method = getattr(type(model), "save_pretrained", None)
+    if callable(method):
+        model.save_pretrained = InstanceMethod(save, model, gather, method.__doc__)
 
 
-def _full_model_saver(model: nn.Module, gather: Gather) -> Saver:
-    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
-            if state_dict is None:
-                state_dict = gather(model, rank0_only=True)
-            return original(save_directory, *args, state_dict=state_dict, **kwargs)
-
-        return save_pretrained
-
-    return wrap
+def _save_full_model(gather: Gather, self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original = type(self).save_pretrained
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    if bound.arguments.get("state_dict") is None:
+        bound.arguments["state_dict"] = gather(self, rank0_only=True)
+    return original(*bound.args, **bound.kwargs)
 
 
-def _adapter_saver(model: nn.Module, gather: Gather) -> Saver:
-    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
-        def save_pretrained(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            extra = bound.arguments["kwargs"]
-            if extra.get("state_dict") is None:
-                chosen = bound.arguments["selected_adapters"], bound.arguments["save_embedding_layers"]
-                extra["state_dict"] = _adapter_state_dict(model, gather, *chosen)
-                rank = state_of_part(model).topology.rank
-                bound.arguments["is_main_process"] = bound.arguments["is_main_process"] and rank == 0
-            return original(*bound.args, **bound.kwargs)
-
-        return save_pretrained
-
-    return wrap
+def _save_adapter(gather: Gather, self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original = type(self).save_pretrained
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    extra = bound.arguments["kwargs"]
+    if extra.get("state_dict") is None:
+        selected, embeddings = bound.arguments["selected_adapters"], bound.arguments["save_embedding_layers"]
+        names, embeddings = _agreed_selection(self, selected, embeddings)
+        bound.arguments["save_embedding_layers"] = embeddings
+        extra["state_dict"] = _adapter_state_dict(self, gather, names)
+        bound.arguments["is_main_process"] = bound.arguments["is_main_process"] and _rank(self) == 0
+    return original(*bound.args, **bound.kwargs)
 
 
-def _adapter_state_dict(model: nn.Module, gather: Gather, selected_adapters: Any, save_embedding_layers: Any) -> dict:
-    """Rank 0: the entries PEFT writes, gathered. The other ranks: the same names over meta
-    tensors (PEFT checks that a module's entries are all there, `modules_to_save`, before it looks
-    at is_main_process)."""
-    placeholders = _meta_state_dict(model)
-    names = names_peft_saves(model, selected_adapters, save_embedding_layers, placeholders)
+def _rank(model: nn.Module) -> int:
+    return state_of_part(model).topology.rank
+
+
+def _agreed_selection(model: nn.Module, selected: Any, embeddings: Any) -> tuple[Optional[set[str]], bool]:
+    """Rank 0's answer, broadcast: the names PEFT writes, and whether with the embeddings."""
+    answer: list[Any] = [None]
+    if _rank(model) == 0:
+        answer = [_selection(model, selected, embeddings)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(answer, src=0)
+    return answer[0]
+
+
+def _selection(model: nn.Module, selected: Any, embeddings: Any) -> tuple[Optional[set[str]], bool]:
+    """The names PEFT writes, and save_embedding_layers as a bool: "auto" asks PEFT's own rule
+    once, and is True where it adds entries to what PEFT writes without the embeddings."""
+    names = names_peft_saves(model, selected, embeddings)
+    if embeddings != "auto":
+        return names, bool(embeddings)
+    return names, names != names_peft_saves(model, selected, False)
+
+
+def _adapter_state_dict(model: nn.Module, gather: Gather, names: Optional[set[str]]) -> dict:
+    """Rank 0: the selected entries, gathered. The other ranks: the same names over meta tensors
+    (PEFT checks that a module's entries are all there, `modules_to_save`, before it looks at
+    is_main_process)."""
     gathered = gather(model, rank0_only=True, names=names)
-    if state_of_part(model).topology.rank == 0:
+    if _rank(model) == 0:
         return gathered
+    placeholders = meta_state_dict(model)
     return placeholders if names is None else {name: placeholders[name] for name in names}
 
 
-def _meta_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """model.state_dict()'s names over meta tensors of the global shapes (no values read)."""
-    return {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in model.state_dict().items()}
+def meta_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The names full_state_dict gives, over meta tensors of the global shapes and dtypes: the
+    parameters and persistent buffers found by walking the modules, so no value is read (the
+    state-dict hooks would dequantize every int8 frozen weight's shard)."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        named = [*module._parameters.items()]
+        named += [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
+        for name, t in named:
+            if t is not None:
+                out[join_fqn(module_name, name)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return out
 
 
 def names_peft_saves(
-    model: nn.Module,
-    selected_adapters: Optional[list[str]],
-    save_embedding_layers: Any,
-    placeholders: Optional[dict[str, torch.Tensor]] = None,
+    model: nn.Module, selected_adapters: Optional[list[str]], save_embedding_layers: Any
 ) -> Optional[set[str]]:
     """The state-dict names PEFT's save_pretrained writes for `model`: PEFT's own
     get_peft_model_state_dict run on meta tensors of the global shapes (it picks entries by name
     and config, not by value). None, meaning every name, where it returns a tensor it computed
-    rather than one it picked."""
+    rather than one it picked (PEFT types other than LoRA may)."""
     from peft.utils import get_peft_model_state_dict  # noqa: PLC0415  (only for PEFT models)
 
-    placeholders = _meta_state_dict(model) if placeholders is None else placeholders
+    placeholders = meta_state_dict(model)
     name_of = {id(t): name for name, t in placeholders.items()}
     names: set[str] = set()
     for adapter in selected_adapters or list(model.peft_config):
