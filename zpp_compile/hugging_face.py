@@ -85,6 +85,13 @@ class InstanceMethod:
         return self.function(self.extra, self.module, *args, **kwargs)
 
 
+def outermost_transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each transformers model in `model` not inside another ("" for the root);
+    none where transformers is not loaded (no transformers model can exist)."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    return [] if modeling_utils is None else list(outermost_of_class(model, modeling_utils.PreTrainedModel))
+
+
 def outermost_of_class(module: nn.Module, base: type, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """The modules of class `base` in `module` (itself included) not inside another: for
     transformers models, those whose forward computes the loss (GPT2LMHeadModel, not the GPT2Model

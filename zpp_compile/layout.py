@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -213,6 +213,18 @@ PAYLOAD_SUFFIX = "_zpp_int8"  # buffer name suffix of a frozen weight stored as 
 def int8_payload(module: nn.Module, name: str) -> Optional[Tensor]:
     """The int8 payload of `module.<name>` if it is a frozen weight stored quantized, else None."""
     return module._buffers.get(name + PAYLOAD_SUFFIX)
+
+
+def state_dict_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, Tensor]]:
+    """(state-dict name, owning module, attribute name, tensor) of every parameter and persistent
+    buffer, module by module as state_dict() walks them, a tied tensor under each of its names."""
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None:
+                yield join_fqn(module_name, name), module, name, p
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                yield join_fqn(module_name, name), module, name, b
 
 
 def join_fqn(prefix: str, name: str) -> str:

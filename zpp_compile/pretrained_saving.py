@@ -24,15 +24,14 @@ reference model) gets wrappers bound to the copy.
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .hugging_face import InstanceMethod, outermost_of_class
-from .layout import join_fqn, state_of_part
+from .hugging_face import InstanceMethod, outermost_transformers_models
+from .layout import state_dict_tensors, state_of_part
 from .peft_models import is_peft_model
 
 Gather = Callable[..., dict[str, torch.Tensor]]  # sharding.full_state_dict, which imports this module
@@ -45,11 +44,9 @@ def install_pretrained_saving(model: nn.Module, gather: Gather) -> None:
         _bind_save_pretrained(model, _save_adapter, gather)
     elif hasattr(model, "config") and _takes_state_dict(model):
         _bind_save_pretrained(model, _save_full_model, gather)
-    modeling_utils = sys.modules.get("transformers.modeling_utils")
-    if modeling_utils is not None:
-        for name, inner in outermost_of_class(model, modeling_utils.PreTrainedModel):
-            if name:  # the root is settled above
-                _bind_save_pretrained(inner, _save_full_model, gather)
+    for name, inner in outermost_transformers_models(model):
+        if name:  # the root is settled above
+            _bind_save_pretrained(inner, _save_full_model, gather)
 
 
 def _takes_state_dict(model: nn.Module) -> bool:
@@ -102,10 +99,11 @@ def _agreed_selection(model: nn.Module, selected: Any, embeddings: Any) -> tuple
 def _selection(model: nn.Module, selected: Any, embeddings: Any) -> tuple[Optional[set[str]], bool]:
     """The names PEFT writes, and save_embedding_layers as a bool: "auto" asks PEFT's own rule
     once, and is True where it adds entries to what PEFT writes without the embeddings."""
-    names = names_peft_saves(model, selected, embeddings)
+    placeholders = meta_state_dict(model)
+    names = names_peft_saves(model, selected, embeddings, placeholders)
     if embeddings != "auto":
         return names, bool(embeddings)
-    return names, names != names_peft_saves(model, selected, False)
+    return names, names != names_peft_saves(model, selected, False, placeholders)
 
 
 def _adapter_state_dict(model: nn.Module, gather: Gather, names: Optional[set[str]]) -> dict:
@@ -123,18 +121,14 @@ def meta_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The names full_state_dict gives, over meta tensors of the global shapes and dtypes: the
     parameters and persistent buffers found by walking the modules, so no value is read (the
     state-dict hooks would dequantize every int8 frozen weight's shard)."""
-    out: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        named = [*module._parameters.items()]
-        named += [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
-        for name, t in named:
-            if t is not None:
-                out[join_fqn(module_name, name)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return out
+    return {fqn: torch.empty(t.shape, dtype=t.dtype, device="meta") for fqn, _, _, t in state_dict_tensors(model)}
 
 
 def names_peft_saves(
-    model: nn.Module, selected_adapters: Optional[list[str]], save_embedding_layers: Any
+    model: nn.Module,
+    selected_adapters: Optional[list[str]],
+    save_embedding_layers: Any,
+    placeholders: Optional[dict[str, torch.Tensor]] = None,
 ) -> Optional[set[str]]:
     """The state-dict names PEFT's save_pretrained writes for `model`: PEFT's own
     get_peft_model_state_dict run on meta tensors of the global shapes (it picks entries by name
@@ -142,7 +136,7 @@ def names_peft_saves(
     rather than one it picked (PEFT types other than LoRA may)."""
     from peft.utils import get_peft_model_state_dict  # noqa: PLC0415  (only for PEFT models)
 
-    placeholders = meta_state_dict(model)
+    placeholders = meta_state_dict(model) if placeholders is None else placeholders
     name_of = {id(t): name for name, t in placeholders.items()}
     names: set[str] = set()
     for adapter in selected_adapters or list(model.peft_config):

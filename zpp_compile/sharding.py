@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import sys
 import warnings
 from typing import Collection, Iterator, Optional
 
@@ -38,7 +37,7 @@ from .config import Config
 from .cost_model import build_cost_model
 from .faults import explained_collective_failures
 from .grad_sync import grad_sync_kwargs
-from .hugging_face import outermost_of_class, pin_fallback_losses
+from .hugging_face import outermost_transformers_models, pin_fallback_losses
 from .layout import (
     PAYLOAD_SUFFIX,
     ShardedState,
@@ -49,6 +48,7 @@ from .layout import (
     join_fqn,
     shard_spec,
     sharded_state,
+    state_dict_tensors,
     state_of_part,
     unwrap_compiled,
 )
@@ -244,20 +244,18 @@ def full_state_dict(
         "full_state_dict (collective: call it, and save_pretrained, on every rank)",
         state.topology.collective_timeout_s,
     ):
-        for module_name, module in model.named_modules(remove_duplicate=False):
-            for name, p in module._parameters.items():
-                fqn = join_fqn(module_name, name)
-                if p is None or not wanted(fqn):
-                    continue
-                if id(p) not in gathered:
-                    value = full_value(module, name, p)  # a collective on every rank, kept on some
-                    gathered[id(p)] = value if keep else None
+        for fqn, module, name, t in state_dict_tensors(model):
+            if not wanted(fqn):
+                continue
+            if name not in module._parameters:  # a buffer: every rank holds it whole
                 if keep:
-                    out[fqn] = gathered[id(p)]
-            for name, b in module._buffers.items():
-                fqn = join_fqn(module_name, name)
-                if b is not None and name not in module._non_persistent_buffers_set and keep and wanted(fqn):
-                    out[fqn] = b.detach().clone()
+                    out[fqn] = t.detach().clone()
+                continue
+            if id(t) not in gathered:
+                value = full_value(module, name, t)  # a collective on every rank, kept on some
+                gathered[id(t)] = value if keep else None
+            if keep:
+                out[fqn] = gathered[id(t)]
     return out
 
 
@@ -286,9 +284,7 @@ def _tell_hugging_face_trainer(model: nn.Module) -> None:
     reduction", which a sharded model does. (Trainer then also asks for save_only_model=True.)
     Set on the root and on each outermost transformers model inside: a PEFT model answers the
     attribute from the transformers model it wraps."""
-    modeling_utils = sys.modules.get("transformers.modeling_utils")
-    inner = [] if modeling_utils is None else [m for _, m in outermost_of_class(model, modeling_utils.PreTrainedModel)]
-    for module in (model, *inner):
+    for module in (model, *(inner for _, inner in outermost_transformers_models(model))):
         if isinstance(getattr(type(module), "is_distributed_loading_by_transformers", None), property):
             module._is_distributed_loading_by_transformers = True
 

@@ -20,12 +20,11 @@ operator, not the cause), and the new weight would be unsharded. A call that kee
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any
 
 from torch import nn
 
-from .hugging_face import InstanceMethod, outermost_of_class
+from .hugging_face import InstanceMethod, outermost_transformers_models
 from .layout import ShardingError
 
 
@@ -33,10 +32,7 @@ def adapt_transformers_methods(model: nn.Module, world_size: int) -> None:
     """In each outermost transformers model in `model` (the root included; a PEFT model calls its
     inner model's): generate() with synced_gpus=True (more than one rank), and
     resize_token_embeddings() refused where it changes the size."""
-    modeling_utils = sys.modules.get("transformers.modeling_utils")
-    if modeling_utils is None:
-        return
-    for _, inner in outermost_of_class(model, modeling_utils.PreTrainedModel):
+    for _, inner in outermost_transformers_models(model):
         generate = getattr(type(inner), "generate", None)
         if callable(generate) and world_size > 1:
             inner.generate = InstanceMethod(_synced_generate, inner, doc=generate.__doc__)

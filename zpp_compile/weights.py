@@ -197,9 +197,11 @@ def _fill_unsaved(model: nn.Module, targets: dict, shapes: dict) -> None:
 def _settle_peft_adapters(model: nn.Module, was_meta: bool) -> None:
     """A PEFT model's adapters, which no base checkpoint holds: initialized as PEFT does where the
     model came from the meta device; a module to save's trainable copy takes the loaded values."""
-    if is_peft_model(model) and was_meta:
+    if not is_peft_model(model):
+        return
+    if was_meta:
         init_adapters(model)
-    elif is_peft_model(model):
+    else:
         copy_modules_to_save(model)
 
 
