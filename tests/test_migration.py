@@ -197,11 +197,17 @@ def test_loco_without_qgz_is_ignored_as_deepspeed_ignores_it():
     assert not config.qgz_error_feedback
 
 
-def test_fp16_maps_with_a_warning_naming_the_loss_scaling_keys():
-    ds = {**zero3(), "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}}
-    with pytest.warns(UserWarning, match=r"no dynamic loss scaler: fp16\.initial_scale_power, fp16\.loss_scale"):
+def test_fp16_maps_with_a_warning_naming_the_loss_scaling_keys_and_the_grad_scaler_to_use():
+    ds = {**zero3(), "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500}}
+    with pytest.warns(
+        UserWarning, match=r"no loss scaler of its own: fp16\.initial_scale_power, fp16\.loss_scale,"
+    ) as w:
         config = Config.from_deepspeed(ds)
     assert config.param_dtype == torch.float16 and config.reduce_dtype is None
+    assert any("torch.amp.GradScaler(init_scale=2.0**12, growth_interval=500)" in str(x.message) for x in w)
+    static = {**zero3(), "fp16": {"enabled": True, "loss_scale": 128}}
+    with pytest.warns(UserWarning, match=r"a static scale: multiply the loss by 128"):
+        Config.from_deepspeed(static)
 
 
 def test_bf16_and_fp16_both_on_is_refused():

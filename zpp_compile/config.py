@@ -244,8 +244,8 @@ class Config:
         None,
         "the dtype gradients are reduce-scattered (averaged) in, then cast to the shard's dtype; `None`: "
         "`param_dtype` (else the gradient's own), except fp32 under `param_dtype=torch.float16`, whose sum "
-        "over many ranks overflows (fp16 also needs loss scaling whose inf check spans all ranks, which "
-        "zpp_compile does not provide: prefer bf16). qgZ reads the gradient in this dtype before quantizing "
+        "over many ranks overflows (fp16 also needs loss scaling: `torch.amp.GradScaler` works, its overflow "
+        "check spanning all ranks; bf16 needs none). qgZ reads the gradient in this dtype before quantizing "
         "it to int4",
     )
     ranks_per_node: Optional[int] = _field(

@@ -11,7 +11,9 @@ gets some of these wrong without an error, on CPU meshes in particular:
   * `torch.eye(n, m, out=p)` (nn.init.eye_) resizes the local tensor to the full shape;
   * `p.copy_(full_tensor)` is refused (mixed Tensor and DTensor), though the meaning is clear;
   * the inf-norm of a rank's empty chunk raises on that rank only, so the other ranks wait in
-    the norm's all-reduce (clip_grad_norm_(..., norm_type=inf) with short parameters).
+    the norm's all-reduce (clip_grad_norm_(..., norm_type=inf) with short parameters);
+  * GradScaler's overflow check reduces over the ranks only if the first gradient is sharded:
+    with a replicated parameter first, each rank decides alone whether to skip the step.
 
 Each case gets a handler in DTensor's own extension point (`DTensor._op_dispatcher.
 _custom_op_handlers`, also used by torch's loss_parallel and context parallel) that applies only
@@ -240,6 +242,36 @@ def _fill_empty(tensors: list) -> list:
 def _one_zero(t: DTensor) -> DTensor:
     local = t._local_tensor.new_zeros((1,) * max(t.dim(), 1))
     return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False)
+
+
+# --------------------------------------------------------------------------------------------
+# GradScaler's overflow check: every rank must agree whether a step overflowed.
+
+
+@_handles(aten._amp_foreach_non_finite_check_and_unscale_.default)
+def _unscale_and_find_nonfinite(op: Any, args: tuple, kwargs: dict) -> Any:
+    """torch.amp.GradScaler.unscale_ runs this on each device's gradients; `found_inf` must be 1 on
+    every rank if any rank's shard holds an inf or nan, or the ranks that saw none step while the
+    others skip, and their loss scales part. Stock DTensor reduces `found_inf` only when the
+    list's first gradient is sharded: a replicated first one (a 0-d parameter, one kept whole by
+    `keep_whole_numel`, CLIP's `logit_scale` on the root) leaves each rank its own answer."""
+    grads, found_inf, inv_scale = args
+    if not any(_ours(g) for g in grads) or any(isinstance(g, DTensor) and not _ours(g) for g in grads):
+        return stock(op, args, kwargs)
+    local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+    op(local, found_inf, inv_scale, **kwargs)
+    for group in _groups_of_sharded(grads):  # in list order: the same on every rank
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+
+
+def _groups_of_sharded(tensors: list) -> list[dist.ProcessGroup]:
+    """The process group of each distinct mesh that holds one of `tensors` sharded."""
+    meshes = {id(t.device_mesh): t.device_mesh for t in tensors if isinstance(t, DTensor) and not _replicated(t)}
+    return [mesh.get_group() for mesh in meshes.values()]
+
+
+def _replicated(t: DTensor) -> bool:
+    return all(isinstance(p, Replicate) for p in t.placements)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ A value "auto" (as HF Accelerate writes it) or a key left out keeps zpp_compile'
 DeepSpeed's. Every other key gets a UserWarning naming it and why it has no effect here, or a
 ValueError naming it and the fix where ignoring it would change training: a ZeRO stage other
 than 3, CPU/NVMe offload, bf16 and fp16 both on. gradient_clipping and fp16's loss scaling get a
-warning saying what to do in the training loop instead.
+warning saying what to do in the training loop instead (fp16: the torch.amp.GradScaler call).
 
 FSDP2 argument -> Config field:
     mp_policy.param_dtype, mp_policy.reduce_dtype          param_dtype, reduce_dtype
@@ -373,12 +373,21 @@ def _enabled(section: Mapping[str, Any], name: str, translation: _Translation, *
 
 
 def _fp16_loss_scaling_warning(fp16: Mapping[str, Any]) -> str:
+    """DeepSpeed scales the loss inside its engine; here the loop does, with torch's GradScaler,
+    whose overflow check spans all ranks on a sharded model (dtensor_ops)."""
     keys = [f"fp16.{key}" for key in sorted(fp16) if key != "enabled"] or ["fp16.loss_scale"]
+    scaler = (
+        f"torch.amp.GradScaler(init_scale=2.0**{fp16.get('initial_scale_power', 16)}, "
+        f"growth_interval={fp16.get('loss_scale_window', 1000)})"
+    )
+    static = fp16.get("loss_scale", 0)
+    if isinstance(static, (int, float)) and static > 0:
+        scaler = f"a static scale: multiply the loss by {static} and divide the gradients by it"
     return (
-        "DeepSpeed fp16.enabled=true maps to param_dtype=torch.float16, but zpp_compile has no "
-        f"dynamic loss scaler: {', '.join(keys)} have no effect. Scale the loss yourself "
-        "(GradScaler-style, with the inf/nan check reduced over all ranks, since each rank holds only "
-        "its gradient shards), or prefer bf16, which needs no loss scaling."
+        "DeepSpeed fp16.enabled=true maps to param_dtype=torch.float16, but zpp_compile has no loss "
+        f"scaler of its own: {', '.join(keys)} have no effect. Scale the loss in the training loop with "
+        f"{scaler} (its overflow check spans all ranks on a sharded model), or prefer bf16, which needs "
+        "no loss scaling."
     )
 
 
