@@ -586,3 +586,98 @@ def test_optimizer_state_of_another_optimizer_class_is_refused(pools, tmp_path):
     legacy = pools(2).run(load_into_another_optimizer, str(V0_CHECKPOINT), "gpt", False)[0]["checkpoint into SGD"]
     assert f"param group 0 of checkpoint {str(V0_CHECKPOINT)!r}" in legacy and "'betas'" in legacy, legacy
     assert "only in the optimizer: ['dampening', 'momentum', 'nesterov']" in legacy, legacy
+
+
+# --------------------------------------------------------------------------------------------
+# torch.save of state_dict() in the user's own loop: each rank's file holds that rank's chunks
+
+
+def torch_save_round_trip(folder: str, phase: str, pattern: str) -> dict:
+    """`save`: train HF GPT-2 one step, then torch.save the model's and optimizer's state dicts,
+    on every rank into its own file (`per_rank`) or on rank 0 alone (`rank0`, nanoGPT's pattern).
+    `load`: every rank reads its own file (or rank 0's) into a fresh sharded model and optimizer,
+    and steps once more."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0 if phase == "save" else 1)
+    model = zpp_compile.shard(build("hf_gpt2"), _config())
+    opt = _optimizer(model)
+    file = Path(folder) / (f"rank{rank % 2}.pt" if pattern == "per_rank" else "rank0.pt")
+    if phase == "save":
+        _train("hf_gpt2", model, opt, range(1))
+        if pattern == "per_rank" or rank == 0:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, file)
+        dist.barrier()
+        return {"full": zpp_compile.full_state_dict(model), "optim": _full_optimizer_state(opt)}
+    saved = torch.load(file, weights_only=False)
+    result: dict = {}
+    try:
+        model.load_state_dict(saved["model"])
+        result["model"] = "loaded"
+    except zpp_compile.CheckpointMismatchError as err:
+        result["model"] = str(err)
+    opt.load_state_dict(saved["optim"])  # torch keeps the loaded tensors: checked at the next step
+    if pattern == "per_rank" and world == 2:  # no step yet: the state as loaded
+        result["full"] = zpp_compile.full_state_dict(model)
+        result["optim"] = _full_optimizer_state(opt)
+    try:
+        # A step of the model only where every rank loaded it (elsewhere rank 0 would wait in a gather).
+        _train("hf_gpt2", model, opt, range(1, 2)) if pattern == "per_rank" and world == 2 else opt.step()
+        result["optim_step"] = "stepped"
+    except zpp_compile.CheckpointMismatchError as err:
+        result["optim_step"] = str(err)
+    return result
+
+
+def test_torch_save_of_each_ranks_state_dict_loads_back_bitwise_on_that_rank(pools, tmp_path):
+    saved = pools(2).run(torch_save_round_trip, str(tmp_path), "save", "per_rank")[0]
+    for result in pools(2).run(torch_save_round_trip, str(tmp_path), "load", "per_rank"):
+        assert result["model"] == "loaded" and result["optim_step"] == "stepped", result
+        assert all(torch.equal(result["full"][k], v) for k, v in saved["full"].items())
+        for fqn, state in saved["optim"].items():
+            assert all(torch.equal(result["optim"][fqn][key], v) for key, v in state.items()), fqn
+
+
+def test_a_state_dict_torch_saved_on_rank_0_alone_is_refused_on_the_other_ranks(pools, tmp_path):
+    pools(2).run(torch_save_round_trip, str(tmp_path), "save", "rank0")
+    own, other = pools(2).run(torch_save_round_trip, str(tmp_path), "load", "rank0")
+    assert own == {"model": "loaded", "optim_step": "stepped"}  # rank 0 reads its own chunks
+    assert (
+        "transformer.wte.weight holds the chunk of rank 0 of the job that saved it, loaded on rank 1" in other["model"]
+    )
+    assert "zpp_compile.save_checkpoint(path, model, optimizer)" in other["model"]
+    assert "optimizer state transformer.wte.weight.exp_avg holds the chunk of rank 0" in other["optim_step"]
+
+
+def test_per_rank_state_dict_files_loaded_at_another_world_size_are_refused(pools, tmp_path):
+    pools(2).run(torch_save_round_trip, str(tmp_path), "save", "per_rank")
+    for result in pools(4).run(torch_save_round_trip, str(tmp_path), "load", "per_rank"):
+        assert "is a chunk saved at world size 2, loaded at world size 4" in result["model"], result
+        assert "is a chunk saved at world size 2, loaded at world size 4" in result["optim_step"], result
+
+
+def accelerate_save_and_load_state(folder: str) -> str:
+    """Accelerate's save_state writes the optimizer's state_dict() from the main process alone."""
+    from accelerate import Accelerator
+
+    from .models import torchrun_environment
+
+    with torchrun_environment():
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = zpp_compile.shard(build("hf_gpt2"), _config())
+        opt = accelerator.prepare(_optimizer(model))
+        _train("hf_gpt2", model, opt, range(1))
+        accelerator.save_state(folder)
+        dist.barrier()
+        accelerator.load_state(folder)
+        try:
+            opt.step()
+            return "stepped"
+        except zpp_compile.CheckpointMismatchError as err:
+            return str(err)
+
+
+def test_accelerate_save_state_of_a_sharded_optimizer_is_refused_on_resume(pools, tmp_path):
+    own, other = pools(2).run(accelerate_save_and_load_state, str(tmp_path / "state"))
+    assert own == "stepped"
+    assert "optimizer state transformer.wte.weight.exp_avg holds the chunk of rank 0" in other

@@ -150,9 +150,11 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     _tell_hugging_face_trainer(model)
     pin_fallback_losses(model)
     dtensor_ops.install()
-    from .checkpoint.state_dict import install_state_dict_hooks  # noqa: PLC0415  (checkpoint imports layout)
+    from .checkpoint.optimizer import install_optimizer_check  # noqa: PLC0415  (checkpoint imports layout)
+    from .checkpoint.state_dict import install_state_dict_hooks  # noqa: PLC0415
 
     install_state_dict_hooks(model)
+    install_optimizer_check()
     return model
 
 

@@ -5,20 +5,28 @@ The layout is that of torch.distributed.checkpoint.state_dict.get_optimizer_stat
 State tensors shaped like their parameter (AdamW's exp_avg, exp_avg_sq) are DTensors like the
 parameter, so DCP saves each rank's chunk and reshards on load; scalars (AdamW's step) are plain
 tensors, equal on every rank. Either torch's functions or these two read and write it.
+
+torch's own Optimizer.load_state_dict keeps the loaded state tensors as they are, so state read
+back from another rank's torch.save would step this rank's chunk with rank 0's moments: a global
+step pre-hook (install_optimizer_check) checks each optimizer's state with check_own_chunk at
+the first step after its state dict was replaced.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Iterable
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..dtensor_ops import is_zpp_dtensor
 from ..layout import shard_spec, sharded_state, state_of_shard, unwrap_compiled
-from .state_dict import CheckpointMismatchError, _local_values
+from .state_dict import CheckpointMismatchError, _local_values, check_own_chunk
 
 
 def _optimizer_params(model: nn.Module, optim: torch.optim.Optimizer) -> list[list[tuple[str, Tensor]]]:
@@ -145,3 +153,26 @@ def _state_value(p: DTensor, value: Any, old: Any, key: str) -> Any:
         old.copy_(value)
         return old
     return value.detach().clone()
+
+
+# The state dict each optimizer had when it was last checked (by id): Optimizer.load_state_dict
+# replaces it, so each loaded state is checked once, at the next step.
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_STEP_HOOK: list = []
+
+
+def install_optimizer_check() -> None:
+    """Check loaded optimizer state for other ranks' chunks before steps (idempotent; shard() calls it)."""
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_check_loaded_state))
+
+
+def _check_loaded_state(optim: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if _CHECKED.get(optim) == id(optim.state):
+        return
+    for param, entries in optim.state.items():
+        if is_zpp_dtensor(param):
+            for key, value in entries.items():
+                if isinstance(value, DTensor):
+                    check_own_chunk(value, param, f"optimizer state {shard_spec(param).fqn}.{key}")
+    _CHECKED[optim] = id(optim.state)

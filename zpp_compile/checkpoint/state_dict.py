@@ -6,7 +6,13 @@ The hooks cover what DTensor alone does not:
   * load_state_dict() with plain full tensors (an unsharded state dict, an export): each rank takes
     its chunk, then nn.Module's own loading copies DTensor into DTensor;
   * frozen weights stored int8 (Config.quantize_frozen_weights): the parameter holds no values,
-    so state_dict() gives its dequantized chunk as a DTensor, and loading quantizes into the payload.
+    so state_dict() gives its dequantized chunk as a DTensor, and loading quantizes into the payload;
+  * DTensors read back from another rank's torch.save are refused (check_own_chunk). torch.save
+    pickles each DTensor as the saving process's chunk with its mesh, which remembers that
+    process's coordinate and the world size. nanoGPT's pattern, saving on rank 0 and loading on
+    every rank, would hand every rank rank 0's chunks, and DTensor copies chunk into chunk: training
+    would go on from other rows' values without an error. Per-rank files read back by the rank
+    that wrote them, at the same world size, pass. (Optimizer state: optimizer.py.)
 """
 
 from __future__ import annotations
@@ -25,6 +31,38 @@ from ..layout import ShardSpec, int8_payload, shard_spec, state_of_shard
 
 class CheckpointMismatchError(RuntimeError):
     """A checkpoint does not fit the model or optimizer it is loaded into (keys, shapes, types)."""
+
+
+FULL_SAVE_HINT = (
+    "torch.save(model.state_dict()) or torch.save(optimizer.state_dict()) on one rank writes only that "
+    "rank's chunks. Save a checkpoint every rank can load: zpp_compile.save_checkpoint(path, model, "
+    "optimizer) on every rank (it loads at any world size), or full tensors: on every rank "
+    "get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) "
+    "from torch.distributed.checkpoint.state_dict (zpp_compile.full_state_dict(model, rank0_only=True) "
+    "for the model alone), then torch.save on rank 0"
+)
+
+
+def check_own_chunk(value: DTensor, like: DTensor, what: str) -> None:
+    """Raise CheckpointMismatchError unless `value` holds this rank's chunk in `like`'s layout."""
+    saved, here = value.device_mesh, like.device_mesh
+    if saved is here:
+        return
+    if saved.size() != here.size():
+        raise CheckpointMismatchError(
+            f"{what} is a chunk saved at world size {saved.size()}, loaded at world size {here.size()}. "
+            + FULL_SAVE_HINT
+        )
+    if saved.get_coordinate() != here.get_coordinate():
+        raise CheckpointMismatchError(
+            f"{what} holds the chunk of rank {_mesh_rank(saved)} of the job that saved it, loaded on rank "
+            f"{_mesh_rank(here)}: it would train from another rank's values. " + FULL_SAVE_HINT
+        )
+
+
+def _mesh_rank(mesh: Any) -> str:
+    coordinate = mesh.get_coordinate()
+    return str(coordinate[0]) if coordinate is not None and len(coordinate) == 1 else str(coordinate)
 
 
 def install_state_dict_hooks(model: nn.Module) -> None:
@@ -97,6 +135,8 @@ def _load_state_dict_pre_hook(
         key = prefix + name
         if key not in state_dict:
             continue
+        if isinstance(state_dict[key], DTensor):  # raised, not collected: one message, not one per parameter
+            check_own_chunk(state_dict[key], param, key)
         try:
             if int8_payload(module, name) is not None:
                 _load_into_payload(module, name, param, state_dict.pop(key), key)
@@ -129,6 +169,7 @@ def _local_values(param: DTensor, value: Any, key: str) -> Tensor:
             f"size mismatch for {key}: the checkpoint has shape {tuple(value.shape)}, the model {tuple(param.shape)}"
         )
     if isinstance(value, DTensor):
+        check_own_chunk(value, param, key)
         return value.redistribute(param.device_mesh, param.placements).to_local()
     return chunk_of(value.detach(), param)
 
