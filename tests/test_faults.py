@@ -79,6 +79,7 @@ def test_a_dead_or_stalled_rank_fails_the_others_with_a_clear_error_in_time(faul
     kind, message, seconds = _first_failure(fault, mode)
     assert kind == "CollectiveError", message
     assert "another rank died, or did not reach the same collective" in message
+    assert "a forward or generate() that only some ranks run (evaluation or samples under `if rank == 0:`)" in message
     assert f"Config(collective_timeout_s={COLLECTIVE_TIMEOUT_S:g})" in message
     assert ("compiled graph" if mode == "compiled" else "the eager") in message
     if fault == "dies":

@@ -50,7 +50,10 @@ def _explained_error(error: BaseException, where: str, timeout_s: Optional[float
     return CollectiveError(
         f"rank {rank}: a collective in {where} failed: another rank died, or did not reach the same "
         f"collective within {limit}. Look in the other ranks' logs for the first error. If every "
-        "rank is alive but one is slow (a long first compile, uneven data loading), raise "
+        "rank is alive: a sharded model's forward is collective, so a forward or generate() that only "
+        "some ranks run (evaluation or samples under `if rank == 0:`), or a different number of forwards "
+        "per rank (an uneven evaluation split), waits here: run it on every rank. If one rank is only "
+        "slow (a long first compile, uneven data loading), raise "
         f"Config(collective_timeout_s=...). Backend error: {first_line}"
     )
 
