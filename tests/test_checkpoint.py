@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import warnings
@@ -646,6 +647,39 @@ def test_a_state_dict_torch_saved_on_rank_0_alone_is_refused_on_the_other_ranks(
     )
     assert "zpp_compile.save_checkpoint(path, model, optimizer)" in other["model"]
     assert "optimizer state transformer.wte.weight.exp_avg holds the chunk of rank 0" in other["optim_step"]
+
+
+def replicated_entries_of_rank0s_file(folder: str) -> dict:
+    """OddMLP's root holds `scale`, a 0-d parameter every rank holds whole: rank 0's copy is
+    every rank's, so it loads anywhere; the refusal names the first sharded entry instead."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = zpp_compile.shard(build("mlp"), _config())
+    opt = _optimizer(model)
+    _train("mlp", model, opt, range(1))
+    copy.deepcopy(opt)  # the load hook registered on it by the first step copies along
+    file = Path(folder) / "rank0.pt"
+    if rank == 0:
+        torch.save(model.state_dict(), file)
+    dist.barrier()
+    saved = torch.load(file, weights_only=False)
+    torch.manual_seed(1)
+    other = zpp_compile.shard(build("mlp"), _config())
+    other.load_state_dict({"scale": saved["scale"]}, strict=False)
+    result = {"scale": torch.equal(other.scale.to_local(), model.scale.to_local())}
+    try:
+        other.load_state_dict(saved)
+        result["all"] = "loaded"
+    except zpp_compile.CheckpointMismatchError as err:
+        result["all"] = str(err)
+    return result
+
+
+def test_replicated_entries_of_a_file_saved_on_rank_0_load_on_every_rank(pools, tmp_path):
+    own, other = pools(2).run(replicated_entries_of_rank0s_file, str(tmp_path))
+    assert own == {"scale": True, "all": "loaded"}
+    assert other["scale"], other
+    assert other["all"].startswith("fc1.weight holds the chunk of rank 0"), other
 
 
 def test_per_rank_state_dict_files_loaded_at_another_world_size_are_refused(pools, tmp_path):

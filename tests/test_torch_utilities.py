@@ -371,7 +371,7 @@ def _scaled_loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) 
     return loss_of(name, model, x, y)
 
 
-def grad_scaler_vs_unsharded(name: str, mode: str) -> dict:
+def grad_scaler_vs_unsharded(name: str, mode: str, scaler_class: str = "amp") -> dict:
     """Three SGD steps under torch.amp.GradScaler, sharded and unsharded, each rank on its own
     micro-batch (the reference averages its gradients as the reduce-scatter does). At step 1 the
     first sharded weight's element [0, 0] overflows: in the sharded model only rank 0 holds it."""
@@ -384,7 +384,10 @@ def grad_scaler_vs_unsharded(name: str, mode: str) -> dict:
     # SGD: Adam's first steps move each weight by about lr whatever its gradient's size, so
     # Inductor's rounding of a near-zero gradient would show up as a difference of 2 * lr.
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    sharded_scaler = ShardedGradScaler if scaler_class == "fsdp" else torch.amp.GradScaler
+    scalers = [sharded_scaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)]
     overflowing = next(n for n, p in model.named_parameters() if not isinstance(p.placements[0], Replicate))
     result = {"scales": [], "stepped": [], "weight_error": 0.0}
     for step in range(3):
@@ -413,12 +416,19 @@ def grad_scaler_vs_unsharded(name: str, mode: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name, mode", [("mlp", "eager"), ("mlp", "inductor"), ("hf_clip", "eager"), ("hf_clip", "inductor")]
+    "name, mode, scaler",
+    [
+        ("mlp", "eager", "amp"),
+        ("mlp", "inductor", "amp"),
+        ("hf_clip", "eager", "amp"),
+        ("hf_clip", "inductor", "amp"),
+        ("mlp", "eager", "fsdp"),  # FSDP's ShardedGradScaler all-reduces the check itself
+    ],
 )
-def test_grad_scaler_skips_an_overflowing_step_on_every_rank(pools, name, mode):
+def test_grad_scaler_skips_an_overflowing_step_on_every_rank(pools, name, mode, scaler):
     # OddMLP and CLIP hold a replicated 0-d parameter first: stock DTensor's overflow check then
     # leaves each rank its own answer (rank 0 skips, rank 1 steps, their scales part).
-    for rank, r in enumerate(pools(2).run(grad_scaler_vs_unsharded, name, mode)):
+    for rank, r in enumerate(pools(2).run(grad_scaler_vs_unsharded, name, mode, scaler)):
         assert r["stepped"] == [True, False, True], f"rank {rank}: {r}"
         assert r["scales"] == [[1024.0, 1024.0], [512.0, 512.0], [512.0, 512.0]], f"rank {rank}: {r}"
         assert r["weight_error"] <= 5e-6, f"rank {rank}: {r}"  # Inductor: 5e-7 (CLIP)

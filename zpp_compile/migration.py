@@ -376,9 +376,10 @@ def _fp16_loss_scaling_warning(fp16: Mapping[str, Any]) -> str:
     """DeepSpeed scales the loss inside its engine; here the loop does, with torch's GradScaler,
     whose overflow check spans all ranks on a sharded model (dtensor_ops)."""
     keys = [f"fp16.{key}" for key in sorted(fp16) if key != "enabled"] or ["fp16.loss_scale"]
-    scaler = (
-        f"torch.amp.GradScaler(init_scale=2.0**{fp16.get('initial_scale_power', 16)}, "
-        f"growth_interval={fp16.get('loss_scale_window', 1000)})"
+    power, window = fp16.get("initial_scale_power"), fp16.get("loss_scale_window")
+    scaler = (  # DeepSpeed's defaults where a value is left out or "auto"
+        f"torch.amp.GradScaler(init_scale=2.0**{power if isinstance(power, int) else 16}, "
+        f"growth_interval={window if isinstance(window, int) else 1000})"
     )
     static = fp16.get("loss_scale", 0)
     if isinstance(static, (int, float)) and static > 0:

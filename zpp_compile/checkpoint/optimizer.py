@@ -9,7 +9,7 @@ tensors, equal on every rank. Either torch's functions or these two read and wri
 torch's own Optimizer.load_state_dict keeps the loaded state tensors as they are, so state read
 back from another rank's torch.save would step this rank's chunk with rank 0's moments: a global
 step pre-hook (install_optimizer_check) checks each optimizer's state with check_own_chunk at
-the first step after its state dict was replaced.
+its first step and at the first after each load_state_dict.
 """
 
 from __future__ import annotations
@@ -155,9 +155,10 @@ def _state_value(p: DTensor, value: Any, old: Any, key: str) -> Any:
     return value.detach().clone()
 
 
-# The state dict each optimizer had when it was last checked (by id): Optimizer.load_state_dict
-# replaces it, so each loaded state is checked once, at the next step.
-_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+# Optimizers whose state has been checked since it was last loaded: Optimizer.load_state_dict
+# (whose post-hook drops the optimizer from here) replaces the state, checked at the next step.
+_CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_WATCHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _STEP_HOOK: list = []
 
 
@@ -168,11 +169,19 @@ def install_optimizer_check() -> None:
 
 
 def _check_loaded_state(optim: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    if _CHECKED.get(optim) == id(optim.state):
+    if optim in _CHECKED:
         return
+    if optim not in _WATCHED:
+        optim.register_load_state_dict_post_hook(_forget_checked)
+        _WATCHED.add(optim)
     for param, entries in optim.state.items():
-        if is_zpp_dtensor(param):
+        if is_zpp_dtensor(param) and isinstance(entries, dict):
             for key, value in entries.items():
                 if isinstance(value, DTensor):
                     check_own_chunk(value, param, f"optimizer state {shard_spec(param).fqn}.{key}")
-    _CHECKED[optim] = id(optim.state)
+    _CHECKED.add(optim)
+
+
+def _forget_checked(optim: torch.optim.Optimizer) -> None:
+    """A module-level function: the optimizer still deep-copies and pickles with it registered."""
+    _CHECKED.discard(optim)

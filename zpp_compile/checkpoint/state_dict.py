@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..codegen.quantize import dequantize_packed, quantize_packed
 from ..dtensor_ops import chunk_of
@@ -44,20 +44,26 @@ FULL_SAVE_HINT = (
 
 
 def check_own_chunk(value: DTensor, like: DTensor, what: str) -> None:
-    """Raise CheckpointMismatchError unless `value` holds this rank's chunk in `like`'s layout."""
+    """Raise CheckpointMismatchError unless `value` holds this rank's chunk in `like`'s layout.
+    Replicated on both sides, every rank's values are the same: only the world size must match."""
     saved, here = value.device_mesh, like.device_mesh
     if saved is here:
         return
+    replicated = is_replicated(value) and is_replicated(like)
     if saved.size() != here.size():
         raise CheckpointMismatchError(
             f"{what} is a chunk saved at world size {saved.size()}, loaded at world size {here.size()}. "
             + FULL_SAVE_HINT
         )
-    if saved.get_coordinate() != here.get_coordinate():
+    if not replicated and saved.get_coordinate() != here.get_coordinate():
         raise CheckpointMismatchError(
             f"{what} holds the chunk of rank {_mesh_rank(saved)} of the job that saved it, loaded on rank "
             f"{_mesh_rank(here)}: it would train from another rank's values. " + FULL_SAVE_HINT
         )
+
+
+def is_replicated(t: DTensor) -> bool:
+    return all(isinstance(p, Replicate) for p in t.placements)
 
 
 def _mesh_rank(mesh: Any) -> str:
@@ -135,8 +141,12 @@ def _load_state_dict_pre_hook(
         key = prefix + name
         if key not in state_dict:
             continue
-        if isinstance(state_dict[key], DTensor):  # raised, not collected: one message, not one per parameter
-            check_own_chunk(state_dict[key], param, key)
+        value = state_dict[key]
+        if isinstance(value, DTensor) and value.device_mesh is not param.device_mesh:
+            if is_replicated(value):  # read from a file: the whole tensor, as any full tensor loads
+                state_dict[key] = value.to_local()
+            else:  # raised, not collected: one message, not one per parameter
+                check_own_chunk(value, param, key)
         try:
             if int8_payload(module, name) is not None:
                 _load_into_payload(module, name, param, state_dict.pop(key), key)
