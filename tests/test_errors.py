@@ -141,6 +141,22 @@ def move_the_model_after_shard(compiled: bool) -> None:
     (torch.compile(model, backend="zeropp") if compiled else model)(torch.randn(2, 13, device="meta"))
 
 
+def shard_a_model_already_in(wrapper: str) -> None:
+    """A migration that keeps the old library's wrapping and adds shard()."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    from .models import build  # noqa: PLC0415
+
+    model = build("hf_gpt2")
+    if wrapper == "fully_shard":
+        for block in model.transformer.h:
+            fully_shard(block)
+        zpp_compile.shard(model)
+    else:
+        zpp_compile.shard(DistributedDataParallel(model))
+
+
 REPLACED = "ShardingError: parameter 'fc1.weight' \\(Linear.weight\\) was replaced by a tensor that is not a shard"
 MOVED_TO_META = (
     "parameter '\\w+(\\.\\w+)?' \\(\\w+\\.\\w+\\) was moved to meta after zpp_compile.shard\\(\\) placed it on cpu"
@@ -169,6 +185,18 @@ def hpz_size_not_dividing_the_node() -> None:
             resize_embeddings_after_shard,
             (),
             "ShardingError: resize_token_embeddings to 96 rows .*\\(64 rows now\\).* Resize before sharding",
+        ),
+        (
+            2,
+            shard_a_model_already_in,
+            ("fully_shard",),
+            "ShardingError: module 'transformer.h.0' is already managed by fully_shard \\(FSDP2\\)",
+        ),
+        (
+            2,
+            shard_a_model_already_in,
+            ("ddp",),
+            "module '\\(the root\\)' is already managed by DistributedDataParallel",
         ),
         (2, move_the_model_after_shard, (False,), MOVED_TO_META),
         (2, move_the_model_after_shard, (True,), MOVED_TO_META),

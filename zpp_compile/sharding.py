@@ -421,6 +421,7 @@ def _training_device(device: torch.device) -> torch.device:
 
 
 def _refuse_resharding(model: nn.Module) -> None:
+    _refuse_other_data_parallelism(model)
     if is_sharded(model):
         raise RuntimeError("shard() was already called on this model; call it once, before torch.compile.")
     for name, p in model.named_parameters():
@@ -428,6 +429,31 @@ def _refuse_resharding(model: nn.Module) -> None:
             raise RuntimeError(
                 f"parameter {name!r} is already a zpp_compile shard (a submodule was sharded before); "
                 "call shard() once, on the root module."
+            )
+
+
+def _refuse_other_data_parallelism(model: nn.Module) -> None:
+    """A model already in DDP, FSDP1 or FSDP2 (fully_shard) hands its parameters or gradients to
+    that library's hooks and collectives: sharding it again would reduce gradients twice or fail
+    deep inside DTensor."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    wrappers = (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)
+    for name, module in model.named_modules():
+        if isinstance(module, wrappers):
+            kind = "fully_shard (FSDP2)" if isinstance(module, FSDPModule) else type(module).__name__
+            raise ShardingError(
+                f"module {name or '(the root)'!r} is already managed by {kind}: zpp_compile shards every "
+                "parameter itself (ZeRO-3) and reduces the gradients. Call zpp_compile.shard on the plain "
+                "model instead of that wrapper; Config.from_fsdp2 / Config.from_deepspeed map their settings."
+            )
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and not dtensor_ops.is_zpp_dtensor(p):
+            raise ShardingError(
+                f"parameter {name!r} is already a DTensor on {p.device_mesh} ({p.placements}), distributed by "
+                "another library (tensor parallelism, FSDP2): zpp_compile shards plain parameters. Call "
+                "zpp_compile.shard on the model before any other parallelism is applied, and apply none of it."
             )
 
 
