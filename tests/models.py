@@ -382,14 +382,26 @@ def torchrun_environment() -> Iterator[None]:
     launch["LOCAL_WORLD_SIZE"] = launch["WORLD_SIZE"]
     saved = {var: os.environ.get(var) for var in launch}
     os.environ.update({var: str(value) for var, value in launch.items()})
+    _reset_accelerate()
     try:
         yield
     finally:
+        _reset_accelerate()
         for var, value in saved.items():
             if value is None:
                 del os.environ[var]
             else:
                 os.environ[var] = value
+
+
+def _reset_accelerate() -> None:
+    """Accelerate keeps one process state per process, and a pool worker may hold another rank in
+    the next test: without a reset its main process can be the wrong rank."""
+    import sys  # noqa: PLC0415
+
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def trainer_dataset() -> list[dict[str, torch.Tensor]]:

@@ -266,11 +266,12 @@ def _unscale_and_find_nonfinite(op: Any, args: tuple, kwargs: dict) -> Any:
 
 def _groups_of_sharded(tensors: list) -> list[dist.ProcessGroup]:
     """The process group of each distinct mesh that holds one of `tensors` sharded."""
-    meshes = {id(t.device_mesh): t.device_mesh for t in tensors if isinstance(t, DTensor) and not _replicated(t)}
+    meshes = {id(t.device_mesh): t.device_mesh for t in tensors if isinstance(t, DTensor) and not is_replicated(t)}
     return [mesh.get_group() for mesh in meshes.values()]
 
 
-def _replicated(t: DTensor) -> bool:
+def is_replicated(t: DTensor) -> bool:
+    """Every rank holds the whole tensor (a 0-d parameter, one kept whole)."""
     return all(isinstance(p, Replicate) for p in t.placements)
 
 
@@ -285,4 +286,4 @@ def uninstalled() -> Iterator[None]:
         table.update(saved)
 
 
-__all__ = ["chunk_of", "install", "is_zpp_dtensor", "stock", "uninstalled", "world_mesh"]
+__all__ = ["chunk_of", "install", "is_replicated", "is_zpp_dtensor", "stock", "uninstalled", "world_mesh"]

@@ -94,6 +94,7 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     if not isinstance(config, Config):
         raise TypeError(f"shard() takes a zpp_compile.Config, got {type(config).__name__}.")
     _refuse_resharding(model)
+    _refuse_other_data_parallelism(model)
     topology = build_topology(config)
     agree_on_model(model, config)
     set_current_topology(topology)
@@ -421,7 +422,6 @@ def _training_device(device: torch.device) -> torch.device:
 
 
 def _refuse_resharding(model: nn.Module) -> None:
-    _refuse_other_data_parallelism(model)
     if is_sharded(model):
         raise RuntimeError("shard() was already called on this model; call it once, before torch.compile.")
     for name, p in model.named_parameters():
@@ -449,7 +449,7 @@ def _refuse_other_data_parallelism(model: nn.Module) -> None:
                 "model instead of that wrapper; Config.from_fsdp2 / Config.from_deepspeed map their settings."
             )
     for name, p in model.named_parameters():
-        if isinstance(p, DTensor) and not dtensor_ops.is_zpp_dtensor(p):
+        if isinstance(p, DTensor) and shard_spec(p) is None:
             raise ShardingError(
                 f"parameter {name!r} is already a DTensor on {p.device_mesh} ({p.placements}), distributed by "
                 "another library (tensor parallelism, FSDP2): zpp_compile shards plain parameters. Call "

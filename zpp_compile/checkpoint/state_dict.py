@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from ..codegen.quantize import dequantize_packed, quantize_packed
-from ..dtensor_ops import chunk_of
+from ..dtensor_ops import chunk_of, is_replicated
 from ..layout import ShardSpec, int8_payload, shard_spec, state_of_shard
 
 
@@ -60,10 +60,6 @@ def check_own_chunk(value: DTensor, like: DTensor, what: str) -> None:
             f"{what} holds the chunk of rank {_mesh_rank(saved)} of the job that saved it, loaded on rank "
             f"{_mesh_rank(here)}: it would train from another rank's values. " + FULL_SAVE_HINT
         )
-
-
-def is_replicated(t: DTensor) -> bool:
-    return all(isinstance(p, Replicate) for p in t.placements)
 
 
 def _mesh_rank(mesh: Any) -> str:
