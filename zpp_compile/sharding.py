@@ -94,7 +94,6 @@ def shard(model: nn.Module, config: Optional[Config] = None, *, sync_module_stat
     if not isinstance(config, Config):
         raise TypeError(f"shard() takes a zpp_compile.Config, got {type(config).__name__}.")
     _refuse_resharding(model)
-    _refuse_other_data_parallelism(model)
     topology = build_topology(config)
     agree_on_model(model, config)
     set_current_topology(topology)
@@ -422,20 +421,27 @@ def _training_device(device: torch.device) -> torch.device:
 
 
 def _refuse_resharding(model: nn.Module) -> None:
+    """Refuse a model whose parameters are already distributed: by an earlier shard() (of it or a
+    submodule), or by another library (DDP, FSDP1 or FSDP2, tensor parallelism), whose hooks and
+    collectives would reduce gradients twice or fail deep inside DTensor."""
     if is_sharded(model):
         raise RuntimeError("shard() was already called on this model; call it once, before torch.compile.")
+    _refuse_data_parallel_wrappers(model)
     for name, p in model.named_parameters():
         if shard_spec(p) is not None:
             raise RuntimeError(
                 f"parameter {name!r} is already a zpp_compile shard (a submodule was sharded before); "
                 "call shard() once, on the root module."
             )
+        if isinstance(p, DTensor):
+            raise ShardingError(
+                f"parameter {name!r} is already a DTensor on {p.device_mesh} ({p.placements}), distributed by "
+                "another library (tensor parallelism, FSDP2): zpp_compile shards plain parameters. Call "
+                "zpp_compile.shard on the model before any other parallelism is applied, and apply none of it."
+            )
 
 
-def _refuse_other_data_parallelism(model: nn.Module) -> None:
-    """A model already in DDP, FSDP1 or FSDP2 (fully_shard) hands its parameters or gradients to
-    that library's hooks and collectives: sharding it again would reduce gradients twice or fail
-    deep inside DTensor."""
+def _refuse_data_parallel_wrappers(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
@@ -447,13 +453,6 @@ def _refuse_other_data_parallelism(model: nn.Module) -> None:
                 f"module {name or '(the root)'!r} is already managed by {kind}: zpp_compile shards every "
                 "parameter itself (ZeRO-3) and reduces the gradients. Call zpp_compile.shard on the plain "
                 "model instead of that wrapper; Config.from_fsdp2 / Config.from_deepspeed map their settings."
-            )
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor) and shard_spec(p) is None:
-            raise ShardingError(
-                f"parameter {name!r} is already a DTensor on {p.device_mesh} ({p.placements}), distributed by "
-                "another library (tensor parallelism, FSDP2): zpp_compile shards plain parameters. Call "
-                "zpp_compile.shard on the model before any other parallelism is applied, and apply none of it."
             )
 
 
